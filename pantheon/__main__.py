@@ -1,0 +1,3 @@
+from pantheon.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The engine: dies, compiled-graph registry, runner, sampler, scheduler, sessions."""

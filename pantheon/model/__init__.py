@@ -1,0 +1,1 @@
+"""Pure model functions: (params, state, inputs) -> (logits, state)."""

@@ -1,0 +1,1 @@
+"""Text: tokenizer, chat templates, incremental detokenizing, reasoning and tool-call parsing."""
