@@ -1,0 +1,120 @@
+"""ModelRunner: prefill chunks and batched decode steps through the graph registry.
+
+Owns the device arrays of one model (params, KV cache, sampler state); it must only be called
+from the thread that owns the device. Shapes are bucketed so the set of executables is small and
+known: batch in DECODE_BUCKETS, prefill chunk in CHUNK_BUCKETS, attended cache length a power of two."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pantheon.engine.graphs import GraphKey, GraphRegistry
+from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
+                                     prng_key_for, reset_slot, sample)
+from pantheon.model import llama
+from pantheon.model.numerics import Numerics
+from pantheon.model.spec import ModelSpec
+from pantheon.model.state import allocate_kv_cache
+
+DECODE_BUCKETS = (1, 2, 4, 8)
+CHUNK_BUCKETS = (16, 64, 256, 512)
+MIN_KV_BUCKET = 128
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
+@dataclass
+class SlotSampling:
+    """What the sampler needs for one active slot."""
+
+    params: SamplingParams
+    key: np.ndarray  # uint32[2]
+    step: int = 0
+
+
+class ModelRunner:
+    def __init__(self, spec: ModelSpec, numerics: Numerics, params, n_slots: int, ctx: int,
+                 registry: GraphRegistry | None = None):
+        self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
+        self.registry = registry or GraphRegistry()
+        self.cache = allocate_kv_cache(spec, n_slots, ctx)
+        self.sampler_state = allocate_sampler_state(n_slots, spec.n_vocab)
+        self.scratch = n_slots  # the extra cache slot padded rows write to
+
+    def kv_bucket(self, needed: int) -> int:
+        b = MIN_KV_BUCKET
+        while b < needed:
+            b *= 2
+        return min(b, self.ctx)
+
+    def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False):
+        key = GraphKey(kind, "dense", (tokens.shape[0], tokens.shape[1], kv_len, all_logits))
+        logits, self.cache = self.registry.call(
+            key, llama.forward, (self.params, self.cache, tokens, positions, slots, logit_index),
+            dict(spec=self.spec, numerics=self.numerics, kv_len=kv_len, all_logits=all_logits))
+        return logits
+
+    def prefill(self, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> jax.Array:
+        """Write `tokens` at positions start.. of `slot`, in chunks. Returns the logits of the last
+        token [V] (or of every token [n, V] with all_logits, for tests and teacher forcing)."""
+        if start + len(tokens) > self.ctx:
+            raise ValueError(f"prefill of {len(tokens)} tokens at {start} exceeds the cache ({self.ctx})")
+        outs = []
+        pos = start
+        for i in range(0, len(tokens), CHUNK_BUCKETS[-1]):
+            chunk = tokens[i:i + CHUNK_BUCKETS[-1]]
+            n = len(chunk)
+            t = bucket_for(n, CHUNK_BUCKETS)
+            ids = np.zeros((1, t), np.int32)
+            ids[0, :n] = chunk
+            positions = (pos + np.arange(t, dtype=np.int32))[None]
+            logits = self._forward("prefill", ids, positions, np.array([slot], np.int32),
+                                   np.array([n - 1], np.int32), self.kv_bucket(pos + n), all_logits)
+            outs.append(logits[0, :n] if all_logits else logits[0])
+            pos += n
+        return jnp.concatenate(outs) if all_logits else outs[-1]
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> jax.Array:
+        """One token for each active slot. Returns logits [bucket, V]; rows past len(slots) are padding."""
+        n = len(slots)
+        b = bucket_for(n, DECODE_BUCKETS)
+        ids = np.zeros((b, 1), np.int32)
+        pos = np.zeros((b, 1), np.int32)
+        rows = np.full(b, self.scratch, np.int32)
+        ids[:n, 0], pos[:n, 0], rows[:n] = tokens, positions, slots
+        return self._forward("decode", ids, pos, rows, np.zeros(b, np.int32), self.kv_bucket(max(positions) + 1))
+
+    # ---- sampling --------------------------------------------------------------------------------
+    def start_sampling(self, slot: int, params: SamplingParams) -> SlotSampling:
+        ids, vals = bias_arrays(params, self.spec.n_vocab)
+        self.sampler_state = reset_slot(self.sampler_state, np.int32(slot), ids, vals)
+        return SlotSampling(params, prng_key_for(params.seed))
+
+    def sample(self, logits: jax.Array, slots: list[int], sampling: list[SlotSampling]) -> SampleOutput:
+        """Sample one token per row of `logits` (rows past len(slots) are padding). Returns numpy."""
+        b = logits.shape[0]
+        n = len(slots)
+        rows = np.full(b, self.scratch, np.int32)
+        rows[:n] = slots
+        temp, top_p, presence, frequency = (np.zeros(b, np.float32) for _ in range(4))
+        top_k, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        keys = np.zeros((b, 2), np.uint32)
+        for i, s in enumerate(sampling):
+            p = s.params
+            temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+            keys[i], steps[i] = s.key, s.step
+            s.step += 1
+        key = GraphKey("sample", "sampler", (b,))
+        out, self.sampler_state = self.registry.call(
+            key, sample, (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps))
+        return jax.tree_util.tree_map(np.asarray, out)

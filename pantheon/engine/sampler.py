@@ -1,0 +1,112 @@
+"""Token sampling on the device, for every batch row in one jitted call.
+
+Per-row parameters arrive as arrays, so one compiled function serves any mix of greedy and
+sampled requests. Per-slot state (generated-token counts for the penalties, the dense logit-bias
+row) lives on the device beside the KV cache and is indexed by slot."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings, already defaulted and clamped (see web layer)."""
+
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0  # alternatives per token; clamped to [0, 20]
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def prng_key_for(seed: int | None) -> np.ndarray:
+    """Raw uint32[2] key data: from the seed when given (reproducible), else from the OS."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed & 0xFFFF_FFFF_FFFF_FFFF)), dtype=np.uint32)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerState:
+    counts: jax.Array  # int32 [slots + 1, V]: tokens generated so far per slot (penalties)
+    bias: jax.Array  # float32 [slots + 1, V]: the request's logit_bias as a dense row
+
+
+def allocate_sampler_state(n_slots: int, n_vocab: int) -> SamplerState:
+    return SamplerState(jnp.zeros((n_slots + 1, n_vocab), jnp.int32), jnp.zeros((n_slots + 1, n_vocab), jnp.float32))
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def reset_slot(state: SamplerState, slot, bias_ids, bias_values) -> SamplerState:
+    """Start a new request in `slot`: zero its counts, install its logit bias (padded id entries = -1)."""
+    row = jnp.zeros(state.bias.shape[1], jnp.float32).at[bias_ids].set(bias_values, mode="drop")
+    return SamplerState(state.counts.at[slot].set(0), state.bias.at[slot].set(row))
+
+
+def bias_arrays(params: SamplingParams, n_vocab: int, width: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """logit_bias as fixed-width (ids, values); out-of-vocab ids are dropped here."""
+    items = [(i, b) for i, b in params.logit_bias if 0 <= i < n_vocab]
+    width = max(width, 1 << max(0, len(items) - 1).bit_length())
+    ids = np.full(width, -1, np.int32)
+    vals = np.zeros(width, np.float32)
+    for j, (i, b) in enumerate(items):
+        ids[j], vals[j] = i, b
+    ids[ids < 0] = n_vocab  # out of range -> dropped by the scatter
+    return ids, vals
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SampleOutput:
+    tokens: jax.Array  # int32 [B]
+    logprob: jax.Array  # float32 [B]: log-probability of the chosen token under the model
+    top_ids: jax.Array  # int32 [B, 20]
+    top_logprobs: jax.Array  # float32 [B, 20]
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presence, frequency, keys, steps):
+    """logits: f32 [B, V]; slots: int32 [B]; per-row params: [B]; keys: uint32 [B, 2]; steps: int32 [B].
+
+    Order as in OpenAI/llama.cpp: logit bias and penalties, then greedy argmax or
+    temperature -> top-k -> top-p -> categorical. Logprobs are of the unmodified model distribution."""
+    n_vocab = logits.shape[-1]
+    model_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    counts = state.counts[slots]
+    x = logits + state.bias[slots]
+    x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+
+    scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
+    sorted_vals, sorted_ids = jax.lax.top_k(scaled, n_vocab)  # descending
+    k = jnp.where(top_k <= 0, n_vocab, jnp.minimum(top_k, n_vocab))
+    keep = jnp.arange(n_vocab)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_vals, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & (mass_before < top_p[:, None])  # the top token is always kept
+    row_keys = jax.vmap(lambda kd, s: jax.random.fold_in(jax.random.wrap_key_data(kd), s))(keys, steps)
+    choice = jax.vmap(jax.random.categorical)(row_keys, jnp.where(keep, sorted_vals, -jnp.inf))
+    sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=1)[:, 0]
+    tokens = jnp.where(temperature <= 0, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
+
+    top_lp, top_ids = jax.lax.top_k(model_logprobs, MAX_TOP_LOGPROBS)
+    chosen_lp = jnp.take_along_axis(model_logprobs, tokens[:, None], axis=1)[:, 0]
+    new_state = SamplerState(state.counts.at[slots, tokens].add(1), state.bias)
+    return SampleOutput(tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp), new_state

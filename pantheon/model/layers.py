@@ -1,0 +1,62 @@
+"""Small pure functions the model files are built from. Shapes in comments:
+B batch rows, T tokens per row, S attended cache positions, H query heads, K kv heads,
+G = H / K query heads per kv head, D head dim."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pantheon.model.numerics import NONE, quantize_activations
+from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + eps) * weight
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, style: str) -> jax.Array:
+    """Rotary embedding on the first `n_rot` dims of each head. x: [B, T, n_heads, D]; positions: [B, T]."""
+    d = x.shape[-1]
+    inv_freq = base ** (-jnp.arange(0, n_rot, 2, dtype=jnp.float32) / n_rot)  # [n_rot/2]
+    angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, n_rot/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    rot, rest = x[..., :n_rot], x[..., n_rot:]
+    if style == ROPE_NORM:  # adjacent pairs
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rot = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape)
+    elif style == ROPE_NEOX:  # halves
+        a, b = rot[..., : n_rot // 2], rot[..., n_rot // 2:]
+        rot = jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    else:
+        raise ValueError(f"unknown rope style {style!r}")
+    return rot if n_rot == d else jnp.concatenate([rot, rest], axis=-1)
+
+
+def swiglu(x, w_gate, w_up, w_down, schemes=(NONE, NONE, NONE)) -> jax.Array:
+    """Weights are [out, in] (GGUF/PyTorch layout); schemes: activation rounding per weight."""
+    gate = linear(x, w_gate, schemes[0])
+    up = linear(x, w_up, schemes[1])
+    return linear(jax.nn.silu(gate) * up, w_down, schemes[2])
+
+
+def linear(x: jax.Array, w: jax.Array, scheme: str = NONE) -> jax.Array:
+    """y = x W^T with W in [out, in] layout; x is first rounded per `scheme` (see numerics.py)."""
+    return jnp.einsum("...i,oi->...o", quantize_activations(x, scheme), w)
+
+
+def gqa_attention(q: jax.Array, keys: jax.Array, values: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """Causal grouped-query attention against cached keys at absolute positions 0..S-1.
+
+    q: [B, T, H, D]; keys/values: [B, S, K, D]; q_pos: [B, T] absolute position of each query.
+    Key s is visible to a query at position p iff s <= p. Returns [B, T, H, D]."""
+    b, t, h, d = q.shape
+    k_heads = keys.shape[2]
+    qg = q.reshape(b, t, k_heads, h // k_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys) * (d ** -0.5)  # [B, K, G, T, S]
+    visible = jnp.arange(keys.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values)
+    return out.reshape(b, t, h, d)

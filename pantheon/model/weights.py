@@ -1,0 +1,79 @@
+"""GGUF tensors -> a params pytree of device arrays.
+
+CPU path: every matrix is dequantized to float32 at load. XLA:CPU decode is bandwidth-bound and no
+int8/bf16 formulation streams faster there (research/jax_feasibility.md §4), so f32 is both the
+fastest and the most exact choice. Per-layer tensors are stacked to [L, ...] for the layer scan."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pantheon.gguf.quants import dequantize_np
+from pantheon.gguf.reader import GGUFFile
+from pantheon.model.numerics import Numerics, scheme_for
+from pantheon.model.spec import ModelSpec
+
+# params key -> GGUF tensor name (in layer 0) whose type decides the activation rounding.
+_NUMERICS_SOURCES = {"wq": "blk.0.attn_q.weight", "wk": "blk.0.attn_k.weight", "wv": "blk.0.attn_v.weight",
+                     "wo": "blk.0.attn_output.weight", "w_gate": "blk.0.ffn_gate.weight",
+                     "w_up": "blk.0.ffn_up.weight", "w_down": "blk.0.ffn_down.weight"}
+
+
+def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
+    """One tensor as float32 numpy, in numpy (PyTorch) shape."""
+    info = g.tensor_info(name)
+    out = dequantize_np(g.tensor_data(name), info.ggml_type)
+    return np.asarray(out, dtype=np.float32).reshape(info.shape)
+
+
+def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int) -> dict[str, np.ndarray]:
+    p = f"blk.{i}."
+    t = {"attn_norm": load_tensor(g, p + "attn_norm.weight"), "ffn_norm": load_tensor(g, p + "ffn_norm.weight"),
+         "wo": load_tensor(g, p + "attn_output.weight"), "w_down": load_tensor(g, p + "ffn_down.weight")}
+    if spec.arch == "phi3":  # fused projections: split them so one block function serves all
+        qkv = load_tensor(g, p + "attn_qkv.weight")
+        q_rows = spec.n_head * spec.head_dim
+        t["wq"], t["wk"], t["wv"] = np.split(qkv, [q_rows, q_rows + spec.kv_dim])
+        t["w_gate"], t["w_up"] = np.split(load_tensor(g, p + "ffn_up.weight"), 2)
+    else:
+        for key, name in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"),
+                          ("w_gate", "ffn_gate"), ("w_up", "ffn_up")):
+            t[key] = load_tensor(g, p + name + ".weight")
+    if spec.qk_norm:
+        t["q_norm"] = load_tensor(g, p + "attn_q_norm.weight")
+        t["k_norm"] = load_tensor(g, p + "attn_k_norm.weight")
+    if p + "attn_q.bias" in g.tensors:
+        for key, name in (("bq", "attn_q"), ("bk", "attn_k"), ("bv", "attn_v")):
+            t[key] = load_tensor(g, p + name + ".bias")
+    return t
+
+
+def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None) -> dict:
+    """The params pytree for `pantheon.model.llama.forward`. `device` may be a Device or Sharding."""
+    per_layer = [_layer_tensors(g, spec, i) for i in range(spec.n_layer)]
+    stacked = {k: np.stack([layer[k] for layer in per_layer]) for k in per_layer[0]}
+    params = {"embed": load_tensor(g, "token_embd.weight"), "output_norm": load_tensor(g, "output_norm.weight"),
+              "layers": stacked}
+    if not spec.tied_embeddings:
+        params["output"] = load_tensor(g, "output.weight")
+    cast = lambda a: jax.device_put(a.astype(dtype) if a.ndim > 1 else a, device)  # norms stay f32
+    return jax.tree_util.tree_map(cast, params)
+
+
+def params_nbytes(params) -> int:
+    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(params))
+
+
+def numerics_for(g: GGUFFile, spec: ModelSpec, mode: str = "llamacpp") -> Numerics:
+    """Activation rounding per weight, from the GGUF tensor types (see numerics.py)."""
+    if mode not in ("llamacpp", "exact"):
+        raise ValueError(f"unknown numerics mode {mode!r} (llamacpp or exact)")
+    sources = dict(_NUMERICS_SOURCES)
+    if spec.arch == "phi3":
+        sources.update(wq="blk.0.attn_qkv.weight", wk="blk.0.attn_qkv.weight", wv="blk.0.attn_qkv.weight",
+                       w_gate="blk.0.ffn_up.weight")
+    sources["head"] = "token_embd.weight" if spec.tied_embeddings else "output.weight"
+    schemes = tuple((k, scheme_for(g.tensor_info(name).ggml_type)) for k, name in sorted(sources.items()))
+    return Numerics(mode, schemes)
