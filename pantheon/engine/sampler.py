@@ -38,9 +38,8 @@ class SamplingParams:
 
 def prng_key_for(seed: int | None) -> np.ndarray:
     """Raw uint32[2] key data: from the seed when given (reproducible), else from the OS."""
-    if seed is None:
-        seed = int.from_bytes(os.urandom(8), "little")
-    return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed & 0xFFFF_FFFF_FFFF_FFFF)), dtype=np.uint32)
+    seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed & 0xFFFF_FFFF_FFFF_FFFF
+    return np.array([seed >> 32, seed & 0xFFFF_FFFF], dtype=np.uint32)  # threefry key data
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,147 @@
+"""Command line: serve | generate | tokenize | bench | --backend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
+
+
+def _model_path(arg: str | None) -> str:
+    if arg:
+        return arg
+    from pantheon.default_model import default_model_path
+
+    return str(default_model_path())
+
+
+def _load_engine(args, ctx_cap: int = 4096):
+    from pantheon.engine.engine import Engine
+
+    configure_jax()
+    return Engine(_model_path(args.model), ctx_cap=ctx_cap, numerics=args.numerics)
+
+
+def cmd_generate(args) -> int:
+    from pantheon.engine.sampler import SamplingParams
+    from pantheon.text.detok import IncrementalDetokenizer
+
+    engine = _load_engine(args)
+    prompt = args.prompt if args.raw else engine.render_chat([{"role": "user", "content": args.prompt}])
+    ids = engine.encode_prompt(prompt)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    detok = IncrementalDetokenizer(engine.tokenizer, unparse_special=False)
+    tokens, pieces = [], []
+    for ev in engine.generate(ids, sampling, args.max_tokens):
+        if ev.finish_reason == "stop":
+            break
+        tokens.append(ev.token)
+        piece = detok.push(ev.token)
+        pieces.append(piece)
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    tail = detok.flush()
+    pieces.append(tail)
+    if args.json:
+        print(json.dumps({"text": "".join(pieces), "tokens": tokens, "prompt_tokens": len(ids)}, ensure_ascii=False))
+    else:
+        sys.stdout.write(tail + "\n")
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from pantheon.gguf import open_gguf
+    from pantheon.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(open_gguf(_model_path(args.model)))
+    print(json.dumps(tok.encode(args.text, parse_special=not args.no_special)))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from pantheon.engine.bench import run_bench
+
+    engine = _load_engine(args, ctx_cap=max(1024, args.prompt_tokens + args.decode_tokens + 8))
+    result = run_bench(engine, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens)
+    print(result.table())
+    print(json.dumps(result.as_dict()))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from pantheon.web.serve import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pantheon", description=__doc__)
+    p.add_argument("--backend", action="store_true", help="print the backend this install runs on and exit")
+    sub = p.add_subparsers(dest="command")
+
+    def model_args(sp):
+        sp.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+        sp.add_argument("--numerics", choices=("llamacpp", "exact"), default="llamacpp",
+                        help="llamacpp: round activations as llama.cpp's quantized matmuls do; exact: f32")
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="feed PROMPT as-is instead of one chat user message")
+    g.add_argument("--json", action="store_true", help='print {"text", "tokens", "prompt_tokens"}')
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
+    t.add_argument("--model")
+    t.add_argument("--no-special", action="store_true", help="do not parse special-token text")
+    t.add_argument("text")
+    t.set_defaults(func=cmd_tokenize)
+
+    b = sub.add_parser("bench", help="prefill and decode throughput, time to first token")
+    model_args(b)
+    b.add_argument("--prompt-tokens", type=int, default=512)
+    b.add_argument("--decode-tokens", type=int, default=128)
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s.add_argument("--model", action="append", default=[], help="GGUF file (repeatable)")
+    s.add_argument("--name", action="append", default=[], help="served name for the matching --model")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--ctx-cap", type=int, default=None)
+    s.add_argument("--max-sessions", type=int, default=None)
+    s.add_argument("--max-concurrent", type=int, default=None)
+    s.add_argument("--reasoning-budget", type=int, default=None)
+    s.add_argument("--dies", default=None, help="comma-separated device ordinals, e.g. 0,1")
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.backend:
+        print(compiled_backend())
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    if argv is None and args.command in ("generate", "bench", "serve"):
+        reexec_with_tcmalloc(sys.argv)
+    from pantheon.default_model import DefaultModelError
+    from pantheon.gguf.reader import GGUFError
+
+    try:
+        return args.func(args)
+    except (GGUFError, DefaultModelError) as e:
+        print(f"pantheon: {e}", file=sys.stderr)
+        return 1
