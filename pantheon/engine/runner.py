@@ -57,10 +57,14 @@ class ModelRunner:
         return min(b, self.ctx)
 
     def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False):
-        key = GraphKey(kind, "dense", (tokens.shape[0], tokens.shape[1], kv_len, all_logits))
-        logits, self.cache = self.registry.call(
-            key, llama.forward, (self.params, self.cache, tokens, positions, slots, logit_index),
-            dict(spec=self.spec, numerics=self.numerics, kv_len=kv_len, all_logits=all_logits))
+        bucket = (tokens.shape[0], tokens.shape[1], kv_len, all_logits)
+
+        def call(name, fn, args, static):
+            return self.registry.call(GraphKey(kind, name, bucket), fn, args, static)
+
+        logits, self.cache = llama.forward(self.params, self.cache, tokens, positions, slots, logit_index,
+                                           spec=self.spec, numerics=self.numerics, kv_len=kv_len,
+                                           all_logits=all_logits, call=call)
         return logits
 
     def prefill(self, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> jax.Array:
@@ -114,7 +118,9 @@ class ModelRunner:
             presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
             keys[i], steps[i] = s.key, s.step
             s.step += 1
-        key = GraphKey("sample", "sampler", (b,))
+        want_top = any(s.params.logprobs and s.params.top_logprobs > 0 for s in sampling)
+        key = GraphKey("sample", "sampler", (b, want_top))
         out, self.sampler_state = self.registry.call(
-            key, sample, (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps))
+            key, sample, (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps),
+            dict(want_top=want_top))
         return jax.tree_util.tree_map(np.asarray, out)

@@ -81,31 +81,52 @@ class SampleOutput:
     top_logprobs: jax.Array  # float32 [B, 20]
 
 
-@partial(jax.jit, donate_argnames=("state",))
-def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presence, frequency, keys, steps):
+CANDIDATES = 128  # rows whose top_k fits here sample from a partial top-k, not a full-vocab sort
+
+
+def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
+    """temperature-scaled logits -> sampled ids, restricted to the `width` best candidates."""
+    vals, ids = jax.lax.top_k(scaled, width)  # descending
+    k = jnp.where(top_k <= 0, width, jnp.minimum(top_k, width))
+    keep = jnp.arange(width)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & (mass_before < top_p[:, None])  # the top token is always kept
+    choice = jax.vmap(jax.random.categorical)(row_keys, jnp.where(keep, vals, -jnp.inf))
+    return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
+
+
+@partial(jax.jit, static_argnames=("want_top",), donate_argnames=("state",))
+def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presence, frequency, keys, steps,
+           want_top: bool = False):
     """logits: f32 [B, V]; slots: int32 [B]; per-row params: [B]; keys: uint32 [B, 2]; steps: int32 [B].
 
     Order as in OpenAI/llama.cpp: logit bias and penalties, then greedy argmax or
-    temperature -> top-k -> top-p -> categorical. Logprobs are of the unmodified model distribution."""
+    temperature -> top-k -> top-p -> categorical. Logprobs are of the unmodified model distribution.
+    A batch that is all greedy skips sampling; one whose top_k all fit CANDIDATES skips the sort."""
     n_vocab = logits.shape[-1]
     model_logprobs = jax.nn.log_softmax(logits, axis=-1)
     counts = state.counts[slots]
     x = logits + state.bias[slots]
     x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+    greedy_ids = jnp.argmax(x, axis=-1)
 
+    sampled_rows = temperature > 0
     scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
-    sorted_vals, sorted_ids = jax.lax.top_k(scaled, n_vocab)  # descending
-    k = jnp.where(top_k <= 0, n_vocab, jnp.minimum(top_k, n_vocab))
-    keep = jnp.arange(n_vocab)[None, :] < k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_vals, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = keep & (mass_before < top_p[:, None])  # the top token is always kept
     row_keys = jax.vmap(lambda kd, s: jax.random.fold_in(jax.random.wrap_key_data(kd), s))(keys, steps)
-    choice = jax.vmap(jax.random.categorical)(row_keys, jnp.where(keep, sorted_vals, -jnp.inf))
-    sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=1)[:, 0]
-    tokens = jnp.where(temperature <= 0, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
+    needs_full = jnp.any(sampled_rows & ((top_k <= 0) | (top_k > CANDIDATES)))
+    width = min(CANDIDATES, n_vocab)
+    sample_any = lambda: jax.lax.cond(
+        needs_full, lambda: _sample_sorted(scaled, top_k, top_p, row_keys, n_vocab),
+        lambda: _sample_sorted(scaled, top_k, top_p, row_keys, width))
+    sampled = jax.lax.cond(jnp.any(sampled_rows), sample_any, lambda: greedy_ids)
+    tokens = jnp.where(sampled_rows, sampled, greedy_ids).astype(jnp.int32)
 
-    top_lp, top_ids = jax.lax.top_k(model_logprobs, MAX_TOP_LOGPROBS)
     chosen_lp = jnp.take_along_axis(model_logprobs, tokens[:, None], axis=1)[:, 0]
+    if want_top:
+        top_lp, top_ids = jax.lax.top_k(model_logprobs, MAX_TOP_LOGPROBS)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], MAX_TOP_LOGPROBS), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], MAX_TOP_LOGPROBS), jnp.int32)
     new_state = SamplerState(state.counts.at[slots, tokens].add(1), state.bias)
     return SampleOutput(tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp), new_state

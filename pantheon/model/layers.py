@@ -35,15 +35,15 @@ def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, style: str
 
 
 def swiglu(x, w_gate, w_up, w_down, schemes=(NONE, NONE, NONE)) -> jax.Array:
-    """Weights are [out, in] (GGUF/PyTorch layout); schemes: activation rounding per weight."""
+    """Weights are [in, out]; schemes: activation rounding per weight."""
     gate = linear(x, w_gate, schemes[0])
     up = linear(x, w_up, schemes[1])
     return linear(jax.nn.silu(gate) * up, w_down, schemes[2])
 
 
 def linear(x: jax.Array, w: jax.Array, scheme: str = NONE) -> jax.Array:
-    """y = x W^T with W in [out, in] layout; x is first rounded per `scheme` (see numerics.py)."""
-    return jnp.einsum("...i,oi->...o", quantize_activations(x, scheme), w)
+    """y = x W with W stored [in, out]; x is first rounded per `scheme` (see numerics.py)."""
+    return jnp.einsum("...i,io->...o", quantize_activations(x, scheme), w)
 
 
 def gqa_attention(q: jax.Array, keys: jax.Array, values: jax.Array, q_pos: jax.Array) -> jax.Array:

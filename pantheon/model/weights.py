@@ -2,7 +2,8 @@
 
 CPU path: every matrix is dequantized to float32 at load. XLA:CPU decode is bandwidth-bound and no
 int8/bf16 formulation streams faster there (research/jax_feasibility.md §4), so f32 is both the
-fastest and the most exact choice. Per-layer tensors are stacked to [L, ...] for the layer scan."""
+fastest and the most exact choice. Layer matrices are stored [in, out] (x @ W), which XLA:CPU's
+GEMV streams faster than x @ W^T; `params["layers"]` is a list with one dict per layer."""
 
 from __future__ import annotations
 
@@ -52,13 +53,13 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int) -> dict[str, np.ndarray
 
 def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None) -> dict:
     """The params pytree for `pantheon.model.llama.forward`. `device` may be a Device or Sharding."""
-    per_layer = [_layer_tensors(g, spec, i) for i in range(spec.n_layer)]
-    stacked = {k: np.stack([layer[k] for layer in per_layer]) for k in per_layer[0]}
+    layers = [{k: (a.T if a.ndim == 2 else a) for k, a in _layer_tensors(g, spec, i).items()}
+              for i in range(spec.n_layer)]
     params = {"embed": load_tensor(g, "token_embd.weight"), "output_norm": load_tensor(g, "output_norm.weight"),
-              "layers": stacked}
+              "layers": layers}
     if not spec.tied_embeddings:
         params["output"] = load_tensor(g, "output.weight")
-    cast = lambda a: jax.device_put(a.astype(dtype) if a.ndim > 1 else a, device)  # norms stay f32
+    cast = lambda a: jax.device_put(np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a), device)
     return jax.tree_util.tree_map(cast, params)
 
 
