@@ -26,30 +26,36 @@ def _load_engine(args, ctx_cap: int = 4096):
 
 
 def cmd_generate(args) -> int:
+    from pantheon.engine.engine import Delta, GenerationRequest, RequestError
     from pantheon.engine.sampler import SamplingParams
-    from pantheon.text.detok import IncrementalDetokenizer
 
     engine = _load_engine(args)
     prompt = args.prompt if args.raw else engine.render_chat([{"role": "user", "content": args.prompt}])
     ids = engine.encode_prompt(prompt)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    detok = IncrementalDetokenizer(engine.tokenizer, unparse_special=False)
-    tokens, pieces = [], []
-    for ev in engine.generate(ids, sampling, args.max_tokens):
-        if ev.finish_reason == "stop":
-            break
-        tokens.append(ev.token)
-        piece = detok.push(ev.token)
-        pieces.append(piece)
-        if not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    tail = detok.flush()
-    pieces.append(tail)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              logprobs=args.json)  # token ids ride the logprob records
+    request = GenerationRequest(ids, [sampling], args.max_tokens)
+    tokens, pieces, errors = [], [], []
+
+    def emit(ev):
+        if isinstance(ev, Delta):
+            tokens.extend(t.token for t in ev.tokens)
+            piece = ev.reasoning + ev.content
+            pieces.append(piece)
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        elif isinstance(ev, RequestError):
+            errors.append(ev.message)
+
+    engine.run(request, emit)
+    if errors:
+        print(f"pantheon: {errors[0]}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"text": "".join(pieces), "tokens": tokens, "prompt_tokens": len(ids)}, ensure_ascii=False))
     else:
-        sys.stdout.write(tail + "\n")
+        sys.stdout.write("\n")
     return 0
 
 

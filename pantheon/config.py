@@ -34,3 +34,59 @@ class ModelConfig:
     max_sessions: int = 4
     max_concurrent: int = 0  # 0 = the resolved max_sessions
     reasoning_budget: int = 0  # 0 = unbounded
+    dies: tuple[int, ...] | None = None  # device ordinals; None = the die manager's choice
+    quantize: bool = False
+
+    @property
+    def max_concurrent_configured(self) -> int:
+        return self.max_concurrent or self.max_sessions
+
+ENV_DIE_RESERVE = "PN_DIE_RESERVE_BYTES"
+ENV_SESSION_IDLE_TTL = "PN_SESSION_IDLE_TTL_MS"
+ENV_WATCH_GRACE = "PN_SESSION_WATCH_GRACE_MS"
+MAX_MODEL_DIES = 8  # PN_MODEL_MAX_DIES
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `pantheon serve` / `hypercorn pantheon.web:app` serves. Built once from CLI flags or the
+    environment; per-model caps left None take the engine defaults."""
+
+    models: tuple[tuple[str, str | None], ...] = ()  # (path, served name); empty -> the default model
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx_cap: int | None = None
+    max_sessions: int | None = None
+    max_concurrent: int | None = None
+    reasoning_budget: int | None = None
+    dies: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_env(cls) -> ServeConfig:
+        models = []
+        for item in filter(None, (os.environ.get(ENV_MODEL) or "").split(";")):
+            path, _, name = item.partition(",")
+            models.append((path.strip(), name.strip() or None))
+        return cls(models=tuple(models), ctx_cap=_env_int(ENV_CTX_CAP), max_sessions=_env_int(ENV_MAX_SESSIONS),
+                   max_concurrent=_env_int(ENV_MAX_CONCURRENT), reasoning_budget=_env_int(ENV_REASONING_BUDGET))
+
+    def model_config(self, path: str, name: str | None) -> ModelConfig:
+        served = name or Path(path).name.removesuffix(".gguf")
+        return ModelConfig(path=path, name=served, ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
+                           max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
+                           reasoning_budget=self.reasoning_budget or 0, dies=self.dies)
+
+
+def no_think_default() -> bool:
+    """PANTHEON_NO_THINK decides enable_thinking when a request does not say."""
+    return os.environ.get(ENV_NO_THINK, "").strip().lower() in ("1", "true", "yes", "on")

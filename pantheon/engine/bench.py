@@ -50,9 +50,7 @@ def run_bench(engine: Engine, prompt_tokens: int = 512, decode_tokens: int = 128
     runner = engine.runner
 
     t0 = time.perf_counter()
-    for _ in engine.generate(prompt, greedy, 2):  # compiles prefill, sample and decode executables
-        pass
-    run_decode(engine, prompt, decode_tokens)
+    run_decode(engine, prompt, decode_tokens)  # compiles every prefill, sample and decode executable
     compile_s = time.perf_counter() - t0
 
     prefill_s, ttft_s, decode_s = [], [], []
@@ -60,13 +58,14 @@ def run_bench(engine: Engine, prompt_tokens: int = 512, decode_tokens: int = 128
         t = time.perf_counter()
         runner.prefill(0, prompt, 0).block_until_ready()
         prefill_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        next(iter(engine.generate(prompt, greedy, 1)))
+        t = time.perf_counter()  # request in -> first token id out
+        state = runner.start_sampling(0, greedy)
+        runner.sample(runner.prefill(0, prompt, 0)[None], [0], [state])
         ttft_s.append(time.perf_counter() - t)
         decode_s.append(run_decode(engine, prompt, decode_tokens))
     return BenchResult(engine.name, jax.default_backend(), prompt_tokens, decode_tokens,
                        prompt_tokens / min(prefill_s), decode_tokens / min(decode_s), 1000 * min(ttft_s),
-                       compile_s, engine.stats.weight_bytes, engine.stats.kv_bytes)
+                       compile_s, engine.weight_bytes, engine.kv_bytes)
 
 
 def run_decode(engine: Engine, prompt: list[int], n: int) -> float:

@@ -43,11 +43,12 @@ class SlotSampling:
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, numerics: Numerics, params, n_slots: int, ctx: int,
-                 registry: GraphRegistry | None = None):
+                 registry: GraphRegistry | None = None, device=None):
         self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
         self.registry = registry or GraphRegistry()
-        self.cache = allocate_kv_cache(spec, n_slots, ctx)
-        self.sampler_state = allocate_sampler_state(n_slots, spec.n_vocab)
+        sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+        self.cache = allocate_kv_cache(spec, n_slots, ctx, sharding=sharding)
+        self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), device)
         self.scratch = n_slots  # the extra cache slot padded rows write to
 
     def kv_bucket(self, needed: int) -> int:
@@ -103,8 +104,11 @@ class ModelRunner:
         self.sampler_state = reset_slot(self.sampler_state, np.int32(slot), ids, vals)
         return SlotSampling(params, prng_key_for(params.seed))
 
-    def sample(self, logits: jax.Array, slots: list[int], sampling: list[SlotSampling]) -> SampleOutput:
-        """Sample one token per row of `logits` (rows past len(slots) are padding). Returns numpy."""
+    def sample(self, logits: jax.Array, slots: list[int], sampling: list[SlotSampling],
+               forced: list[int] | None = None) -> SampleOutput:
+        """Sample one token per row of `logits` (rows past len(slots) are padding). Returns numpy.
+        `forced[i] >= 0` replaces row i's choice (teacher forcing, e.g. closing a think block);
+        its logprob is still the model's."""
         b = logits.shape[0]
         n = len(slots)
         rows = np.full(b, self.scratch, np.int32)
@@ -112,6 +116,9 @@ class ModelRunner:
         temp, top_p, presence, frequency = (np.zeros(b, np.float32) for _ in range(4))
         top_k, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
         keys = np.zeros((b, 2), np.uint32)
+        force = np.full(b, -1, np.int32)
+        if forced:
+            force[:len(forced)] = forced
         for i, s in enumerate(sampling):
             p = s.params
             temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
@@ -121,6 +128,6 @@ class ModelRunner:
         want_top = any(s.params.logprobs and s.params.top_logprobs > 0 for s in sampling)
         key = GraphKey("sample", "sampler", (b, want_top))
         out, self.sampler_state = self.registry.call(
-            key, sample, (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps),
+            key, sample, (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps, force),
             dict(want_top=want_top))
         return jax.tree_util.tree_map(np.asarray, out)

@@ -98,8 +98,9 @@ def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
 
 @partial(jax.jit, static_argnames=("want_top",), donate_argnames=("state",))
 def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presence, frequency, keys, steps,
-           want_top: bool = False):
-    """logits: f32 [B, V]; slots: int32 [B]; per-row params: [B]; keys: uint32 [B, 2]; steps: int32 [B].
+           forced, want_top: bool = False):
+    """logits: f32 [B, V]; slots: int32 [B]; per-row params: [B]; keys: uint32 [B, 2]; steps: int32 [B];
+    forced: int32 [B], a token that replaces the row's choice when >= 0.
 
     Order as in OpenAI/llama.cpp: logit bias and penalties, then greedy argmax or
     temperature -> top-k -> top-p -> categorical. Logprobs are of the unmodified model distribution.
@@ -121,6 +122,7 @@ def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presen
         lambda: _sample_sorted(scaled, top_k, top_p, row_keys, width))
     sampled = jax.lax.cond(jnp.any(sampled_rows), sample_any, lambda: greedy_ids)
     tokens = jnp.where(sampled_rows, sampled, greedy_ids).astype(jnp.int32)
+    tokens = jnp.where(forced >= 0, forced, tokens)
 
     chosen_lp = jnp.take_along_axis(model_logprobs, tokens[:, None], axis=1)[:, 0]
     if want_top:

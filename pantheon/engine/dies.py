@@ -1,0 +1,50 @@
+"""The die manager: which devices ("dies") this process holds, their memory budgets, and which model
+occupies each. On the CPU, `--xla_force_host_platform_device_count=N` emulates N dies."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pantheon.config import ENV_DIE_RESERVE
+
+
+def _host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class Die:
+    index: int
+    card: int
+    platform: str
+    memory_bytes: int
+
+
+def visible_dies() -> list[Die]:
+    import jax
+
+    devices = jax.devices()
+    host = _host_memory_bytes() // max(len(devices), 1)
+    dies = []
+    for i, d in enumerate(devices):
+        mem = host
+        try:
+            stats = d.memory_stats() or {}
+            mem = int(stats.get("bytes_limit", mem))
+        except Exception:  # noqa: BLE001 - CPU devices may not report stats
+            pass
+        dies.append(Die(i, int(getattr(d, "local_hardware_id", None) or i), d.platform, mem))
+    return dies
+
+
+def die_budget(die: Die) -> int:
+    reserve = int(os.environ.get(ENV_DIE_RESERVE, "0") or 0)
+    return max(die.memory_bytes - reserve, 0)

@@ -1,0 +1,77 @@
+"""Per-choice text pipeline: token ids -> detok -> stop strings -> reasoning split.
+
+Runs on the engine's device thread next to the decode loop (it is microseconds per token), so the
+loop can act on what the text says — stop at a stop string, force the close of a think block when
+the reasoning budget is spent — without a round trip to the asyncio side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pantheon.text.detok import IncrementalDetokenizer
+from pantheon.text.reasoning import ReasoningSplitter
+from pantheon.text.stops import RepetitionDetector, StopMatcher
+
+
+@dataclass
+class TextDelta:
+    reasoning: str = ""
+    content: str = ""
+    stopped: bool = False  # a stop string matched: generation ends, nothing after it is emitted
+    looping: bool = False  # the repetition detector tripped
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content)
+
+
+@dataclass
+class ChoiceText:
+    tokenizer: object
+    stops: list[str] = field(default_factory=list)
+    think: bool = False  # parse <think>...</think> (think-style template)
+    start_in_reasoning: bool = False  # the prompt ended inside an open think block
+
+    def __post_init__(self):
+        self.detok = IncrementalDetokenizer(self.tokenizer, unparse_special=False)
+        self.stop = StopMatcher(self.stops)
+        self.split = ReasoningSplitter(start_in_reasoning=self.start_in_reasoning) if self.think else None
+        self.loop = RepetitionDetector()
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.split is not None and self.split.in_reasoning
+
+    def push(self, token_id: int) -> TextDelta:
+        text, stopped = self.stop.push(self.detok.push(token_id))
+        delta = self._split(text)
+        delta.stopped = stopped
+        delta.looping = self.loop.push(token_id)
+        return delta
+
+    def finish(self) -> TextDelta:
+        """End of generation: release held-back text (not after a stop string matched)."""
+        tail = self.detok.flush()
+        text, stopped = self.stop.push(tail) if tail else ("", False)
+        if not stopped:
+            text += self.stop.flush()
+        delta = self._split(text)
+        if self.split is not None:
+            for kind, piece in self.split.flush():
+                self._add(delta, kind, piece)
+        return delta
+
+    def _split(self, text: str) -> TextDelta:
+        delta = TextDelta()
+        if self.split is None:
+            delta.content = text
+        elif text:
+            for kind, piece in self.split.push(text):
+                self._add(delta, kind, piece)
+        return delta
+
+    @staticmethod
+    def _add(delta: TextDelta, kind: str, piece: str) -> None:
+        if kind == "reasoning":
+            delta.reasoning += piece
+        else:
+            delta.content += piece

@@ -1,0 +1,123 @@
+"""The Quart app: `hypercorn pantheon.web:app` serves it, configured from the environment.
+
+Nothing here but HTTP: routes parse requests, ask the model pool and engines, and render the
+contract's bodies. Models load in the background at start-up; health answers meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from quart import Quart, Response, request
+
+from pantheon.config import ServeConfig
+from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backend, configure_jax
+from pantheon.engine.pool import ModelPool, PoolError
+from pantheon.web.errors import ApiError, error_response
+
+log = logging.getLogger("pantheon.web")
+
+
+class ServerState:
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.pool = ModelPool()
+        self.backend = compiled_backend()
+        self.build = build_id()
+        self.shutting_down = False
+        self.startup_errors: list[str] = []
+
+    def resolve(self, model):
+        try:
+            return self.pool.resolve(model)
+        except PoolError as e:
+            raise ApiError(e.status, e.type, e.message) from None
+
+    def refuse_if_shutting_down(self):
+        if self.shutting_down:
+            raise ApiError(503, "server_shutting_down", "server is draining for shutdown", {"Retry-After": "1"})
+
+    def load_startup_models(self) -> None:
+        from pantheon.default_model import SERVED_NAME, default_model_path
+
+        models = self.config.models or ((None, None),)
+        for path, name in models:
+            try:
+                if path is None:
+                    path, name = str(default_model_path()), name or SERVED_NAME
+                self.pool.load(self.config.model_config(path, name))
+                log.info("loaded %s", name or path)
+            except Exception as e:  # noqa: BLE001 - the server stays up and reports no_models_loaded
+                msg = getattr(e, "message", str(e))
+                log.error("could not load %s: %s", path, msg)
+                self.startup_errors.append(msg)
+
+
+def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Quart:
+    from pantheon.web import admin_routes, openai_routes, session_routes
+
+    app = Quart("pantheon")
+    app.pantheon = state = ServerState(config or ServeConfig.from_env())
+    for bp in (openai_routes.bp, admin_routes.bp, session_routes.bp):
+        app.register_blueprint(bp)
+
+    @app.before_serving
+    async def start_loading():
+        configure_jax()
+        if load_models:
+            app.add_background_task(asyncio.to_thread, state.load_startup_models)
+
+    @app.after_serving
+    async def shut_down():
+        state.shutting_down = True
+        await asyncio.to_thread(state.pool.close)
+
+    @app.before_request
+    async def preflight():
+        if request.method == "OPTIONS":
+            return {}
+
+    @app.after_request
+    async def contract_headers(response: Response) -> Response:
+        response.headers["Access-Control-Allow-Origin"] = "*"
+        response.headers["Connection"] = "close"
+        return response
+
+    @app.route("/", methods=["GET"])
+    async def health():
+        import jax
+
+        return {"service": "pantheon", "status": "ok", "backend": state.backend, "build": state.build,
+                "accelerator": accelerator_in_use(), "dies_visible": len(jax.devices())}
+
+    @app.errorhandler(ApiError)
+    async def api_error(e: ApiError):
+        return error_response(e.status, e.type, e.message, e.headers)
+
+    @app.errorhandler(PoolError)
+    async def pool_error(e: PoolError):
+        return error_response(e.status, e.type, e.message)
+
+    @app.errorhandler(404)
+    async def not_found(_):
+        return error_response(404, "not_found", "unknown route")
+
+    @app.errorhandler(405)
+    async def wrong_method(_):
+        return error_response(404, "not_found", "unknown route")
+
+    @app.errorhandler(Exception)
+    async def server_error(e: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "server_error", f"internal error: {type(e).__name__}: {e}")
+
+    return app
+
+
+def __getattr__(name: str):
+    # `hypercorn pantheon.web:app` imports the module-level app; build it lazily so that importing
+    # pantheon.web (tests, `pantheon serve`) does not read the environment twice.
+    if name == "app":
+        globals()["app"] = create_app()
+        return globals()["app"]
+    raise AttributeError(name)

@@ -1,0 +1,87 @@
+"""Operator routes: /admin/models, /admin/models/load, /admin/models/unload, /admin/dies."""
+
+from __future__ import annotations
+
+import asyncio
+
+from quart import Blueprint, current_app
+
+from pantheon.config import MAX_MODEL_DIES, ModelConfig
+from pantheon.engine.dies import die_budget, visible_dies
+from pantheon.web.errors import ApiError, invalid
+from pantheon.web.openai_routes import _json_body
+from pantheon.web.rows import operator_row
+
+bp = Blueprint("admin", __name__)
+
+
+@bp.route("/admin/models", methods=["GET"])
+async def admin_models():
+    return {"object": "list", "data": [operator_row(e) for e in current_app.pantheon.pool.ready()]}
+
+
+def _opt_int(body: dict, key: str) -> int:
+    value = body.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"'{key}' must be an integer")
+    return value
+
+
+def load_config(body) -> ModelConfig:
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    path = body.get("path")
+    if not isinstance(path, str) or not path:
+        raise invalid("'path' is required")
+    name = body.get("name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise invalid("'name' must be a non-empty string")
+    dies = body.get("dies")
+    if dies is not None:
+        if not isinstance(dies, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dies):
+            raise invalid("'dies' must be an array of device ordinals")
+        if len(dies) > MAX_MODEL_DIES:
+            raise invalid(f"too many dies ({len(dies)}; at most {MAX_MODEL_DIES})")
+    defaults = current_app.pantheon.config.model_config(path, name)
+    ctx_cap, max_sessions = _opt_int(body, "ctx_cap"), _opt_int(body, "max_sessions")
+    return ModelConfig(path=path, name=defaults.name, ctx_cap=ctx_cap if ctx_cap > 0 else defaults.ctx_cap,
+                       max_sessions=max_sessions if max_sessions > 0 else defaults.max_sessions,
+                       max_concurrent=max(_opt_int(body, "max_concurrent"), 0),
+                       reasoning_budget=max(_opt_int(body, "reasoning_budget"), 0),
+                       dies=tuple(dies) if dies else None, quantize=bool(body.get("quantize", False)))
+
+
+@bp.route("/admin/models/load", methods=["POST"])
+async def admin_load():
+    state = current_app.pantheon
+    state.refuse_if_shutting_down()
+    config = load_config(await _json_body())
+    if config.quantize:
+        raise ApiError(400, "invalid_request_error", "'quantize' (INT8 at load) is not supported by this serve")
+    entry = await asyncio.to_thread(state.pool.load, config)
+    return operator_row(entry)
+
+
+@bp.route("/admin/models/unload", methods=["POST"])
+async def admin_unload():
+    body = await _json_body()
+    name = body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise invalid("'name' is required")
+    await asyncio.to_thread(current_app.pantheon.pool.unload, name)
+    return {"unloaded": name}
+
+
+@bp.route("/admin/dies", methods=["GET"])
+async def admin_dies():
+    dies = visible_dies()
+    entries = current_app.pantheon.pool.ready()
+    data = []
+    for d in dies:
+        here = [e for e in entries if d.index in (e.config.dies or (0,))]
+        data.append({"die": d.index, "card": d.card, "model": here[0].config.name if here else "",
+                     "n_models": len(here), "vram_budget": die_budget(d),
+                     "vram_used": sum(e.engine.device_bytes // len(e.config.dies or (0,)) for e in here)})
+    return {"object": "list", "n_dies": len(dies), "data": data}

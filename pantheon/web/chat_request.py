@@ -1,0 +1,158 @@
+"""The chat-completion request body -> `ChatRequest`, with every default, clamp and alias of the
+contract applied in this one place. Anything malformed raises a 400 `invalid_request_error`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pantheon.web.errors import invalid
+
+MAX_TOKENS_DEFAULT, MAX_TOKENS_NONPOSITIVE, MAX_TOKENS_CAP = 1024, 512, 1048576
+MAX_N = 8
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]
+    model: str | None = None
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    max_tokens: int = MAX_TOKENS_DEFAULT
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    n_status: str | None = None
+    response_format: dict | None = None
+    enable_thinking: bool | None = None
+    reasoning_budget: int | None = None  # None -> the model's; <= 0 -> off
+    tools: list | None = None
+    tool_choice: Any = "auto"
+    session_id: str | None = None
+
+
+def _number(body: dict, key: str, default, kind=float):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(f"'{key}' must be a finite number, got {value!r}")
+    return kind(value)
+
+
+def _clamp(x, lo, hi):
+    return max(lo, min(hi, x))
+
+
+def _messages(raw) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'messages' is required and must be a non-empty array")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}] must be an object with 'role' and 'content'")
+        msg = dict(m)
+        role = msg.get("role")
+        msg["role"] = role if isinstance(role, str) and role else "user"  # missing role -> user
+        content = msg.get("content")
+        msg["content"] = content if isinstance(content, str) else ""  # non-string content -> empty
+        if not isinstance(msg.get("reasoning_content"), str):
+            msg.pop("reasoning_content", None)
+        out.append(msg)
+    return out
+
+
+def _stop(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    raise invalid("'stop' must be a string or an array of strings")
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object mapping token ids to biases")
+    out = []
+    for k, v in value.items():
+        try:
+            token = int(str(k).strip())
+        except ValueError:
+            continue  # non-numeric keys are skipped
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            continue  # non-numeric values are skipped
+        out.append((token, float(_clamp(v, -100.0, 100.0))))
+    return tuple(out)
+
+
+def _session_id(body: dict, header: str | None) -> str | None:
+    for key in ("session_id", "prompt_cache_key", "promptCacheKey"):
+        value = body.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return header or None
+
+
+def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_completion_tokens")
+    max_tokens = MAX_TOKENS_DEFAULT if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", 0, int)
+    max_tokens = MAX_TOKENS_NONPOSITIVE if max_tokens <= 0 else min(max_tokens, MAX_TOKENS_CAP)
+    n = _number(body, "n", 1, int)
+    n_status = None
+    if n > MAX_N:
+        n, n_status = MAX_N, "capped_to_8"
+    n = max(n, 1)
+    budget = body.get("reasoning_budget", body.get("max_reasoning_tokens"))
+    if budget is not None:
+        budget = _number({"reasoning_budget": budget}, "reasoning_budget", 0, int)
+    thinking = body.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise invalid("'enable_thinking' must be a boolean")
+    stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _number(body, "seed", None, int)
+    model = body.get("model")
+    rf = body.get("response_format")
+    return ChatRequest(
+        messages=_messages(body.get("messages")),
+        model=model if isinstance(model, str) else None,
+        temperature=_number(body, "temperature", 0.7),
+        top_p=_number(body, "top_p", 0.95),
+        top_k=_number(body, "top_k", 40, int),
+        max_tokens=max_tokens,
+        stop=_stop(body.get("stop")),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        seed=seed,
+        presence_penalty=_clamp(_number(body, "presence_penalty", 0.0), -2.0, 2.0),
+        frequency_penalty=_clamp(_number(body, "frequency_penalty", 0.0), -2.0, 2.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        logprobs=bool(body.get("logprobs", False)),
+        top_logprobs=_clamp(_number(body, "top_logprobs", 0, int), 0, 20),
+        n=n, n_status=n_status,
+        response_format=rf if isinstance(rf, dict) else None,
+        enable_thinking=thinking,
+        reasoning_budget=budget,
+        tools=body.get("tools") if isinstance(body.get("tools"), list) else None,
+        tool_choice=body.get("tool_choice", "auto"),
+        session_id=_session_id(body, session_header),
+    )

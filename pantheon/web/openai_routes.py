@@ -1,0 +1,197 @@
+"""GET /v1/models and POST /v1/chat/completions (non-streaming and SSE)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from quart import Blueprint, Response, current_app, request
+
+from pantheon.config import no_think_default
+from pantheon.engine.engine import ChoiceEnd, Delta, GenerationRequest, RequestEnd, RequestError
+from pantheon.engine.sampler import SamplingParams
+from pantheon.text.chat_template import ChatTemplateError
+from pantheon.web import sse
+from pantheon.web.chat_request import ChatRequest, parse_chat_request
+from pantheon.web.errors import ApiError, error_body, invalid
+from pantheon.web.rows import public_row
+
+bp = Blueprint("openai", __name__)
+
+
+@bp.route("/v1/models", methods=["GET"])
+async def list_models():
+    state = current_app.pantheon
+    seen, data = set(), []
+    for entry in state.pool.ready():
+        if entry.config.name in seen:  # same-name replicas: one logical id
+            continue
+        seen.add(entry.config.name)
+        data.append(public_row(entry))
+    return {"object": "list", "backend": state.backend, "build": state.build, "data": data}
+
+
+async def _json_body():
+    raw = await request.get_data()
+    if not raw or not raw.strip():
+        raise invalid("empty request body")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"malformed JSON: {e}") from None
+
+
+@bp.route("/v1/chat/completions", methods=["POST"])
+async def chat_completions():
+    state = current_app.pantheon
+    state.refuse_if_shutting_down()
+    chat = parse_chat_request(await _json_body(), request.headers.get("X-Session-Id"))
+    engine = state.resolve(chat.model)
+    prompt_ids, think, start_in_reasoning = _prompt(engine, chat)
+    kv_cap = engine.ctx
+    if len(prompt_ids) >= kv_cap:
+        msg = (f"prompt of {len(prompt_ids)} tokens exceeds the context window: kv_used={len(prompt_ids)} "
+               f"kv_cap={kv_cap}; shorten the conversation")
+        if chat.stream:
+            body = sse.event(error_body("context_over_budget", msg, kv_used=len(prompt_ids), kv_cap=kv_cap))
+            return Response(body, status=200, content_type="text/event-stream")
+        raise ApiError(422, "context_over_budget", msg)
+    gen = GenerationRequest(
+        prompt_ids=prompt_ids, choices=[_sampling(chat, i) for i in range(chat.n)], max_tokens=chat.max_tokens,
+        stops=chat.stop, think=think, start_in_reasoning=start_in_reasoning,
+        reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0))
+    if not engine.busy.acquire(blocking=False):
+        raise ApiError(429, "server_busy", f"model {engine.name!r} is already generating (single-user path); retry")
+    events = engine.submit(gen, on_done=engine.busy.release)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": engine.name}
+    if chat.stream:
+        response = Response(_stream(chat, meta, events, engine), content_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+        response.timeout = None
+        return response
+    return await _complete(chat, meta, events, engine)
+
+
+def _prompt(engine, chat: ChatRequest) -> tuple[list[int], bool, bool]:
+    kwargs = {}
+    if engine.think:
+        kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
+    try:
+        text = engine.render_chat(chat.messages, **kwargs)
+    except ChatTemplateError as e:
+        raise invalid(f"chat template rejected the messages: {e}") from None
+    start_in_reasoning = engine.think and text.rstrip().endswith("<think>")
+    return engine.encode_prompt(text), engine.think, start_in_reasoning
+
+
+def _sampling(chat: ChatRequest, index: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k,
+        seed=None if chat.seed is None else chat.seed + index,
+        presence_penalty=chat.presence_penalty, frequency_penalty=chat.frequency_penalty,
+        logit_bias=chat.logit_bias, logprobs=chat.logprobs, top_logprobs=chat.top_logprobs if chat.logprobs else 0)
+
+
+def _logprobs(engine, tokens) -> list[dict]:
+    tok = engine.tokenizer
+
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = tok.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]
+
+
+def _usage(end: RequestEnd, kv_cap: int) -> dict:
+    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+            "total_tokens": end.prompt_tokens + end.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0}, "kv_used": end.kv_used, "kv_cap": kv_cap}
+
+
+def _raise_for(err: RequestError):
+    status = {"context_over_budget": 422, "server_busy": 429}.get(err.type, 500)
+    raise ApiError(status, err.type, err.message)
+
+
+async def _complete(chat: ChatRequest, meta: dict, events, engine) -> dict:
+    choices = [{"index": i, "reasoning": "", "content": "", "logprobs": [], "finish_reason": None}
+               for i in range(chat.n)]
+    usage = None
+    async for ev in events:
+        if isinstance(ev, Delta):
+            c = choices[ev.index]
+            c["reasoning"] += ev.reasoning
+            c["content"] += ev.content
+            c["logprobs"].extend(ev.tokens)
+        elif isinstance(ev, ChoiceEnd):
+            choices[ev.index]["finish_reason"] = ev.finish_reason
+        elif isinstance(ev, RequestEnd):
+            usage = _usage(ev, engine.ctx)
+        elif isinstance(ev, RequestError):
+            _raise_for(ev)
+    if usage is None:
+        raise ApiError(500, "server_error", "generation ended without a result")
+    out = []
+    for c in choices:
+        message = {"role": "assistant", "content": c["content"]}
+        if c["reasoning"]:
+            message["reasoning_content"] = c["reasoning"]
+        choice = {"index": c["index"], "message": message, "finish_reason": c["finish_reason"] or "stop"}
+        if chat.logprobs:
+            choice["logprobs"] = {"content": _logprobs(engine, c["logprobs"])}
+        out.append(choice)
+    body = {**meta, "object": "chat.completion", "choices": out, "usage": usage}
+    if chat.n_status:
+        body["n_status"] = chat.n_status
+    return body
+
+
+async def _stream(chat: ChatRequest, meta: dict, events, engine):
+    def chunk(index: int, delta: dict, finish=None, logprobs=None) -> bytes:
+        choice = {"index": index, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = {"content": logprobs}
+        body = {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+        if finish is not None and chat.n_status:
+            body["n_status"] = chat.n_status
+        return sse.event(body)
+
+    opened, ended = set(), set()
+
+    def open_choice(index: int) -> bytes:
+        if index in opened:
+            return b""
+        opened.add(index)
+        return chunk(index, {"role": "assistant", "content": ""})
+
+    try:
+        async for ev in events:
+            if isinstance(ev, Delta):
+                out = open_choice(ev.index)
+                lp = _logprobs(engine, ev.tokens) if chat.logprobs else None
+                if ev.reasoning:
+                    out += chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp)
+                if ev.content or (lp and not ev.reasoning):
+                    out += chunk(ev.index, {"content": ev.content}, logprobs=lp)
+                yield out
+            elif isinstance(ev, ChoiceEnd):
+                ended.add(ev.index)
+                yield open_choice(ev.index) + chunk(ev.index, {}, finish=ev.finish_reason)
+            elif isinstance(ev, RequestEnd):
+                if chat.include_usage:
+                    yield sse.event({**meta, "object": "chat.completion.chunk", "choices": [],
+                                     "usage": _usage(ev, engine.ctx)})
+                yield sse.DONE
+            elif isinstance(ev, RequestError):
+                # The status line is already sent. context_over_budget ends the stream as an error
+                # event; any other failure closes the open choice with "stop".
+                if ev.type == "context_over_budget":
+                    yield sse.event(error_body(ev.type, ev.message, **ev.fields))
+                    return
+                for i in sorted(opened - ended):
+                    yield chunk(i, {}, finish="stop")
+                yield sse.DONE
+                return
+    finally:
+        await events.aclose()

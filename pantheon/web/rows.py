@@ -1,0 +1,58 @@
+"""Model rows as `/v1/models` (client) and `/admin/models` (operator) show them."""
+
+from __future__ import annotations
+
+from pantheon.engine.pool import ModelEntry
+
+SERVED_CONCURRENCY = 1  # no batch scheduler yet: one generation per model at a time
+
+
+def _graphs(engine, operator: bool) -> dict | None:
+    reg = engine.registry
+    total = reg.counters()
+    if not total["total"]:
+        return None
+    out = dict(total)
+    if not operator:
+        out.pop("gave_up", None)
+        return out
+    out.setdefault("gave_up", 0)
+    out["captures"], out["capture_failures"] = reg.captures, reg.capture_failures
+    for cls in reg.classes():
+        out[cls] = reg.counters(cls)
+    return out
+
+
+def _attention(engine, operator: bool) -> dict | None:
+    """Every attention layer runs inside the compiled device program; there is no host-softmax
+    fallback path, so `host` is 0 once the forward has reached the attention layers."""
+    if not engine.registry.counters("block")["total"]:
+        return None
+    n = engine.spec.n_layer
+    out = {"ondie": n, "host": 0, "total": n}
+    if operator:
+        out.update(gave_up=0, impossible=0, host_engagements=0, ring_alloc_failures=0)
+    return out
+
+
+def public_row(entry: ModelEntry) -> dict:
+    e, c = entry.engine, entry.config
+    row = {"id": c.name, "object": "model", "created": 0, "owned_by": "pantheon",
+           "max_sessions": c.max_sessions, "max_concurrent": SERVED_CONCURRENCY,
+           "context_window": e.ctx, "tool_choice_required_with_thinking": False}
+    for key, value in (("graphs", _graphs(e, False)), ("attention", _attention(e, False))):
+        if value is not None:
+            row[key] = value
+    return row
+
+
+def operator_row(entry: ModelEntry) -> dict:
+    e, c = entry.engine, entry.config
+    row = {"id": c.name, "object": "model", "path": str(c.path), "dies": list(c.dies or [0]),
+           "vram_bytes": e.device_bytes, "max_sessions": c.max_sessions, "max_concurrent": SERVED_CONCURRENCY,
+           "max_concurrent_configured": c.max_concurrent_configured,
+           "context_window": e.ctx, "context_window_configured": e.ctx_configured}
+    for key, value in (("graphs", _graphs(e, True)), ("attention", _attention(e, True))):
+        if value is not None:
+            row[key] = value
+    return row

@@ -1,0 +1,57 @@
+"""A real `pantheon serve` (hypercorn) subprocess on 127.0.0.1 for HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict | None = None, wait_models: int = 1, timeout: float = 180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/pantheon-test-server-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "pantheon", "serve", "--port", str(self.port), *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self._wait(wait_models, timeout)
+
+    def _wait(self, n_models: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(self.url + "/v1/models", timeout=2)
+                if r.status_code == 200 and len(r.json()["data"]) >= n_models:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
