@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
 
 from pantheon.gguf import open_gguf
-from pantheon.gguf.quants import dequantize_np, quantize_np
+from pantheon.gguf.quants import quantize_np
 from pantheon.gguf.reader import GGUFError, GGUFFile
 from pantheon.model.spec import spec_from_gguf
 from tests.fixtures.tiny_models import (CHATML, CONTEXT_LENGTH, EOS_ID, BOS_ID, PAD_ID, UNK_ID, Q,
@@ -88,7 +89,8 @@ def test_metadata_values_as_written(tiny_path):
     assert g.require("general.architecture") == "llama"
 
 
-@pytest.mark.parametrize("weight_type, dims", [(Q.Q8_0, {}), (Q.F16, {}), (Q.Q4_K, dict(n_embd=256, n_ff=256))])
+@pytest.mark.parametrize("weight_type, dims", [(Q.Q8_0, {}), (Q.F16, {}), (Q.Q4_K, dict(n_embd=256, n_ff=256))],
+                         ids=["q8_0", "f16", "q4_k"])
 def test_tensors_as_written(tmp_path, weight_type, dims):
     cfg = {**TINY, **dims}
     path = write_tiny_llama(tmp_path / "m.gguf", weight_type=weight_type, **cfg)
@@ -111,7 +113,7 @@ def test_tensors_as_written(tmp_path, weight_type, dims):
         else:
             assert raw.dtype == np.uint8 and raw.shape == (*want.shape[:-1], want.shape[-1] // block * tsize)
             assert np.array_equal(raw, quantize_np(want, weight_type))
-            assert np.abs(dequantize_np(raw, weight_type).reshape(want.shape) - want).max() < 0.1 * np.abs(want).max()
+            assert np.abs(gguf_dequantize(raw, weight_type).reshape(want.shape) - want).max() < 0.1 * np.abs(want).max()
 
 
 def test_tensor_data_is_a_zero_copy_view_of_the_mmap(tiny_path):
@@ -161,9 +163,10 @@ def test_truncated_in_header(tmp_path, tiny_bytes, data_start):
     _raises(_write(tmp_path, tiny_bytes[:12], "counts.gguf"), "truncated GGUF header")  # inside n_tensors
 
 
-def test_every_truncation_point_raises_gguferror(tmp_path, tiny_bytes):
-    """A sweep over cut points (header and data): always GGUFError naming the path."""
-    for cut in list(range(0, len(tiny_bytes), 41)) + [len(tiny_bytes) - 1]:
+def test_every_truncation_point_raises_gguferror(tmp_path, tiny_bytes, data_start):
+    """A sweep over cut points (dense in the header, sparse in the data): always GGUFError naming the path."""
+    cuts = list(range(0, data_start + 64, 29)) + list(range(data_start, len(tiny_bytes), 4099)) + [len(tiny_bytes) - 1]
+    for cut in cuts:
         _raises(_write(tmp_path, tiny_bytes[:cut], "cut.gguf"))
 
 

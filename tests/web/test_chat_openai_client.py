@@ -125,3 +125,9 @@ def test_missing_role_is_user_and_non_string_content_is_empty(smol_server):
         "model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": ""}]})
     assert c.status_code == 200
     assert c.json()["usage"]["prompt_tokens"] == d.json()["usage"]["prompt_tokens"]
+
+
+def test_looping_greedy_decode_finishes_with_repetition_loop(client):
+    r = client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=400)
+    assert r.choices[0].finish_reason == "repetition_loop"
+    assert r.usage.completion_tokens < 400

@@ -1,0 +1,56 @@
+"""The graph registry: compiles once per key, counts residency, falls back on a failed compile."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pantheon.engine.graphs import GraphKey, GraphRegistry
+
+
+@partial(jax.jit, static_argnames=("scale",))
+def scaled(x, *, scale):
+    return x * scale
+
+
+def test_compiles_once_per_key_and_counts_live_graphs():
+    reg = GraphRegistry()
+    k1, k2 = GraphKey("decode", "dense", (1,)), GraphKey("decode", "dense", (2,))
+    for _ in range(3):
+        np.testing.assert_allclose(reg.call(k1, scaled, (jnp.ones(1),), {"scale": 2.0}), [2.0])
+    reg.call(k2, scaled, (jnp.ones(2),), {"scale": 3.0})
+    assert reg.counters() == {"live": 2, "total": 2, "failed": 0, "ineligible": 0, "pending": 0}
+    assert reg.captures == 2 and reg.capture_failures == 0
+
+
+class Unlowerable:
+    """Lowering fails; calling works — like a kernel whose compile fails but whose reference runs."""
+
+    def lower(self, *a, **k):
+        raise RuntimeError("lowering failed")
+
+    def __call__(self, x, **k):
+        return x + 1
+
+
+def test_failed_compile_falls_back_counts_failed_then_gives_up():
+    reg = GraphRegistry(max_retries=2, backoff_s=0.0)
+    key = GraphKey("prefill", "segment", (1,))
+    fn = Unlowerable()
+    for _ in range(4):
+        assert reg.call(key, fn, (1,)) == 2  # correct output through the fallback
+    c = reg.counters()
+    assert c["failed"] == 1 and c["live"] == 0 and c["gave_up"] == 1
+    assert reg.capture_failures == 2  # retried once on the backoff, then gave up
+
+
+def test_ineligible_is_not_a_failure_and_classes_split():
+    reg = GraphRegistry()
+    reg.mark_ineligible(GraphKey("decode", "batched_ssm", (1,)))
+    reg.call(GraphKey("decode", "batched_attn", (1,)), scaled, (jnp.ones(1),), {"scale": 1.0})
+    assert reg.counters("batched_ssm") == {"live": 0, "total": 1, "failed": 0, "ineligible": 1, "pending": 0}
+    assert reg.counters("batched_attn")["live"] == 1
+    assert reg.classes() == ["batched_attn", "batched_ssm"]
