@@ -75,6 +75,9 @@ class ModelPool:
     def ready(self) -> list[ModelEntry]:
         return [e for e in self.entries() if e.state == READY]
 
+    def any_busy(self) -> bool:
+        return any(e.engine is not None and e.engine.busy.locked() for e in self.entries())
+
     def loading(self) -> bool:
         return any(e.state == LOADING for e in self.entries())
 

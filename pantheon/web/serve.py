@@ -8,6 +8,8 @@ import signal
 
 from pantheon.config import ServeConfig
 
+DRAIN_S = 30.0
+
 
 def config_from_args(args) -> ServeConfig:
     env = ServeConfig.from_env()
@@ -34,12 +36,21 @@ def serve(args) -> int:
     hc.keep_alive_timeout = 5
     hc.graceful_timeout = 5
 
+    async def drain_then_stop(stop: asyncio.Event):
+        """On SIGTERM/SIGINT: refuse new work (503 server_shutting_down, Retry-After: 1) while the
+        generations in flight finish, for up to DRAIN_S, then let hypercorn close."""
+        await stop.wait()
+        app.pantheon.shutting_down = True
+        deadline = asyncio.get_running_loop().time() + DRAIN_S
+        while app.pantheon.pool.any_busy() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+
     async def main():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
+        await hypercorn_serve(app, hc, shutdown_trigger=lambda: drain_then_stop(stop))
 
     asyncio.run(main())
     return 0

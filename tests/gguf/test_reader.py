@@ -21,7 +21,7 @@ from pantheon.gguf import open_gguf
 from pantheon.gguf.quants import quantize_np
 from pantheon.gguf.reader import GGUFError, GGUFFile
 from pantheon.model.spec import spec_from_gguf
-from tests.fixtures.tiny_models import (CHATML, CONTEXT_LENGTH, EOS_ID, BOS_ID, PAD_ID, UNK_ID, Q,
+from tests.fixtures.tiny_models import (BOS_ID, CHATML, CONTEXT_LENGTH, EOS_ID, PAD_ID, UNK_ID, Q,
                                         tiny_llama_tensors, tiny_vocab, write_tiny_llama)
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=5)
