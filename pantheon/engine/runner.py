@@ -58,9 +58,12 @@ class ModelRunner:
         return min(b, self.ctx)
 
     def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False):
-        bucket = (tokens.shape[0], tokens.shape[1], kv_len, all_logits)
+        shape = (tokens.shape[0], tokens.shape[1])
 
         def call(name, fn, args, static):
+            # Only the head depends on all_logits and only blocks on kv_len: key each program by
+            # what it was compiled for, so no identical executable is built twice.
+            bucket = shape + ((all_logits,) if name == "head" else (kv_len,) if name == "block" else ())
             return self.registry.call(GraphKey(kind, name, bucket), fn, args, static)
 
         logits, self.cache = llama.forward(self.params, self.cache, tokens, positions, slots, logit_index,

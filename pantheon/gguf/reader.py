@@ -8,6 +8,7 @@ file and the problem.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -105,6 +106,8 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: file not found") from None
         except IsADirectoryError:
             raise GGUFError(f"{self.path}: is a directory, not a GGUF file") from None
+        except (OSError, ValueError) as e:  # permissions, mmap failures
+            raise GGUFError(f"{self.path}: cannot open: {e}") from None
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._parse()
@@ -132,7 +135,9 @@ class GGUFFile:
             ne = [cur.scalar("<Q") for _ in range(n_dims)]
             gtype, offset = cur.scalar("<I"), cur.scalar("<Q")
             raw_infos.append((name, ne, gtype, offset))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise GGUFError(f"{self.path}: general.alignment must be a power of two, got {align!r}")
         data_start = (cur.pos + align - 1) // align * align
         for name, ne, gtype, offset in raw_infos:
             self.tensors[name] = self._tensor_info(name, ne, gtype, data_start + offset)
@@ -146,7 +151,7 @@ class GGUFFile:
         if ne and ne[0] % block:
             raise GGUFError(f"{self.path}: tensor {name!r} row length {ne[0]} is not a multiple of "
                             f"the {qtype.name} block size {block}")
-        n_elems = int(np.prod(ne)) if ne else 1
+        n_elems = math.prod(ne) if ne else 1  # Python ints: a corrupt size cannot wrap around
         nbytes = n_elems // block * tsize
         if offset + nbytes > len(self._mm):
             raise GGUFError(f"{self.path}: tensor {name!r} runs past the end of the file "
