@@ -9,12 +9,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("PANTHEON_SHARED", REPO.parent / "shared"))
-REFERENCE = SHARED / "reference"
+REFERENCE = Path(os.environ.get("PANTHEON_REFERENCE_DIR", SHARED / "reference"))
 
 
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
-    assert REFERENCE.is_dir(), f"reference data not found at {REFERENCE} (set PANTHEON_SHARED)"
+    assert REFERENCE.is_dir(), f"reference data not found at {REFERENCE} (set PANTHEON_REFERENCE_DIR)"
     return REFERENCE
 
 

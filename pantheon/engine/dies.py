@@ -7,17 +7,7 @@ import os
 from dataclasses import dataclass
 
 from pantheon.config import ENV_DIE_RESERVE
-
-
-def _host_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+from pantheon.engine.memory import meminfo_bytes
 
 
 @dataclass(frozen=True)
@@ -32,7 +22,7 @@ def visible_dies() -> list[Die]:
     import jax
 
     devices = jax.devices()
-    host = _host_memory_bytes() // max(len(devices), 1)
+    host = meminfo_bytes("MemTotal") // max(len(devices), 1)
     dies = []
     for i, d in enumerate(devices):
         mem = host

@@ -14,6 +14,7 @@ from pathlib import Path
 from pantheon.config import MAX_MODEL_DIES, ModelConfig
 from pantheon.engine.dies import visible_dies
 from pantheon.engine.engine import Engine
+from pantheon.engine.memory import meminfo_bytes
 from pantheon.gguf.reader import GGUFError, open_gguf
 
 log = logging.getLogger(__name__)
@@ -32,17 +33,6 @@ class ModelEntry:
     state: str = LOADING
     engine: Engine | None = None
     error: str | None = None
-
-
-def _available_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
 
 
 def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
@@ -154,7 +144,7 @@ class ModelPool:
             need = estimate_device_bytes(config.path, config.ctx_cap, 1)
         except GGUFError as e:
             raise PoolError(500, "load_failed", str(e)) from None
-        have = _available_host_bytes()
+        have = meminfo_bytes("MemAvailable", 1 << 62)
         if need > 0.9 * have:
             raise PoolError(507, "load_failed", f"admission refused: {config.name} needs ~{need >> 20} MiB, "
                                                 f"{have >> 20} MiB host memory available")
