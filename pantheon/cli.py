@@ -22,11 +22,11 @@ def _load_engine(args, ctx_cap: int = 4096):
     from pantheon.engine.engine import Engine
 
     configure_jax()
-    return Engine(_model_path(args.model), ctx_cap=ctx_cap, numerics=args.numerics)
+    return Engine(_model_path(args.model), ctx_cap=ctx_cap, max_sessions=1, numerics=args.numerics)
 
 
 def cmd_generate(args) -> int:
-    from pantheon.engine.engine import Delta, GenerationRequest, RequestError
+    from pantheon.engine.events import Delta, GenerationRequest, RequestError
     from pantheon.engine.sampler import SamplingParams
 
     engine = _load_engine(args)
@@ -48,7 +48,7 @@ def cmd_generate(args) -> int:
         elif isinstance(ev, RequestError):
             errors.append(ev.message)
 
-    engine.run(request, emit)
+    engine.run_sync(request, emit)
     if errors:
         print(f"pantheon: {errors[0]}", file=sys.stderr)
         return 1
@@ -89,13 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", action="store_true", help="print the backend this install runs on and exit")
     sub = p.add_subparsers(dest="command")
 
-    def model_args(sp):
+    def model_args(sp, numerics="exact"):
         sp.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-        sp.add_argument("--numerics", choices=("llamacpp", "exact"), default="llamacpp",
-                        help="llamacpp: round activations as llama.cpp's quantized matmuls do; exact: f32")
+        sp.add_argument("--numerics", choices=("llamacpp", "exact"), default=numerics,
+                        help="llamacpp: round activations as llama.cpp's quantized matmuls do (reproduces its "
+                             "tokens; not batch-invariant); exact: f32 activations (batch-invariant)")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
-    model_args(g)
+    model_args(g, numerics="llamacpp")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.7)
     g.add_argument("--top-p", type=float, default=0.95)
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     s.add_argument("--model", action="append", default=[], help="GGUF file (repeatable)")
+    s.add_argument("--numerics", choices=("llamacpp", "exact"), default="exact",
+                   help="exact (default): f32 activations, batching never changes results; llamacpp: "
+                        "llama.cpp's 8-bit activation rounding")
     s.add_argument("--name", action="append", default=[], help="served name for the matching --model")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)

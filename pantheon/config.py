@@ -36,12 +36,16 @@ class ModelConfig:
     reasoning_budget: int = 0  # 0 = unbounded
     dies: tuple[int, ...] | None = None  # device ordinals; None = the die manager's choice
     quantize: bool = False
+    numerics: str = "exact"  # batch-invariant f32; "llamacpp" rounds activations like llama.cpp's CPU path
 
     @property
     def max_concurrent_configured(self) -> int:
         return self.max_concurrent or self.max_sessions
 
 ENV_DIE_RESERVE = "PN_DIE_RESERVE_BYTES"
+ENV_BATCH_SLOTS = "QWEN35_BATCH_SLOTS"  # "0" turns the batch scheduler off (single-user path)
+ENV_QUEUE_DEPTH = "BS_QUEUE_DEPTH"
+DEFAULT_QUEUE_DEPTH = 32
 ENV_SESSION_IDLE_TTL = "PN_SESSION_IDLE_TTL_MS"
 ENV_WATCH_GRACE = "PN_SESSION_WATCH_GRACE_MS"
 MAX_MODEL_DIES = 8  # PN_MODEL_MAX_DIES
@@ -70,6 +74,7 @@ class ServeConfig:
     max_concurrent: int | None = None
     reasoning_budget: int | None = None
     dies: tuple[int, ...] | None = None
+    numerics: str = "exact"
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -84,9 +89,27 @@ class ServeConfig:
         served = name or Path(path).name.removesuffix(".gguf")
         return ModelConfig(path=path, name=served, ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
-                           reasoning_budget=self.reasoning_budget or 0, dies=self.dies)
+                           reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics)
 
 
 def no_think_default() -> bool:
     """PANTHEON_NO_THINK decides enable_thinking when a request does not say."""
     return os.environ.get(ENV_NO_THINK, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class EngineEnv:
+    """Engine-wide settings read from the environment (the contract's names)."""
+
+    batching: bool = True
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+    idle_ttl_s: float = 12 * 3600
+    watch_grace_s: float = 45.0
+
+    @classmethod
+    def from_env(cls) -> EngineEnv:
+        ttl, grace, depth = _env_int(ENV_SESSION_IDLE_TTL), _env_int(ENV_WATCH_GRACE), _env_int(ENV_QUEUE_DEPTH)
+        return cls(batching=os.environ.get(ENV_BATCH_SLOTS, "1").strip() != "0",
+                   queue_depth=DEFAULT_QUEUE_DEPTH if depth is None else max(depth, 0),
+                   idle_ttl_s=12 * 3600 if ttl is None else ttl / 1000,
+                   watch_grace_s=45.0 if grace is None else grace / 1000)

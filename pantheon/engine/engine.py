@@ -1,87 +1,40 @@
-"""Engine: one per loaded model. Ties the GGUF file, tokenizer, chat template and ModelRunner
-together, and owns the device thread.
+"""Engine: one per loaded model. Ties the GGUF file, tokenizer, chat template, ModelRunner, slot
+table and scheduler together; the scheduler's thread owns the device.
 
-The asyncio side never touches a JAX array: it submits a `GenerationRequest` and reads events
-(`Delta`, `ChoiceEnd`, `RequestEnd`, `RequestError`) from an asyncio queue that the device thread
-fills. `run` is the synchronous loop itself (the CLI calls it directly)."""
+The asyncio side never touches a JAX array: `submit` hands a `GenerationRequest` to the device
+thread and yields its events (`Admitted`, `Delta`, `ChoiceEnd`, `RequestEnd`, `RequestError`) from an
+asyncio queue; `call` runs a function on the device thread (session export/restore/release)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
-import threading
+import hashlib
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
+from pantheon.engine.events import GenerationRequest
 from pantheon.engine.graphs import GraphRegistry
-from pantheon.engine.runner import ModelRunner, SlotSampling
-from pantheon.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
+from pantheon.engine.runner import ModelRunner
+from pantheon.engine.scheduler import BusyError, Scheduler
+from pantheon.engine import blob as session_blob
+from pantheon.engine.sessions import CapacityError, SessionError, SlotTable
 from pantheon.gguf.reader import GGUFFile, open_gguf
 from pantheon.model.spec import ModelSpec, spec_from_gguf
 from pantheon.model.weights import load_params, numerics_for, params_nbytes
 from pantheon.text.chat_template import ChatTemplate
-from pantheon.text.pipeline import ChoiceText
 from pantheon.text.reasoning import think_mode
 from pantheon.text.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
-THINK_CLOSE = "</think>\n\n"
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    choices: list[SamplingParams]  # one per choice; seeds already offset per choice
-    max_tokens: int
-    stops: list[str] = field(default_factory=list)
-    think: bool = False  # split <think>...</think> into reasoning_content
-    start_in_reasoning: bool = False  # the rendered prompt ends inside an open think block
-    reasoning_budget: int = 0  # force the think block closed after this many tokens (0 = off)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class TokenInfo:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class Delta:
-    index: int
-    reasoning: str = ""
-    content: str = ""
-    tokens: list[TokenInfo] = field(default_factory=list)  # tokens since the previous delta (logprobs)
-
-
-@dataclass
-class ChoiceEnd:
-    index: int
-    finish_reason: str
-    completion_tokens: int
-
-
-@dataclass
-class RequestEnd:
-    prompt_tokens: int
-    completion_tokens: int
-    kv_used: int
-
-
-@dataclass
-class RequestError:
-    type: str
-    message: str
-    fields: dict = field(default_factory=dict)  # extra members of the error object (kv_used, kv_cap)
+__all__ = ["Engine", "BusyError"]
+DEFAULT_PREFILL_TOK_S = 500.0  # before a prefill has been measured (SmolLM2, 2 CPU cores)
 
 
 class Engine:
-    def __init__(self, path: str | Path, name: str | None = None, ctx_cap: int = 4096, n_slots: int = 1,
-                 numerics: str = "llamacpp", reasoning_budget: int = 0, device=None):
+    def __init__(self, path: str | Path, name: str | None = None, ctx_cap: int = 4096, max_sessions: int = 4,
+                 max_concurrent: int = 0, batching: bool = True, queue_depth: int = 32,
+                 numerics: str = "exact", reasoning_budget: int = 0, device=None,
+                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0):
         t0 = time.perf_counter()
         self.path = Path(path)
         self.gguf: GGUFFile = open_gguf(self.path)
@@ -93,18 +46,25 @@ class Engine:
         self.ctx_configured = ctx_cap if ctx_cap > 0 else self.spec.ctx_train
         self.ctx = min(self.ctx_configured, self.spec.ctx_train)
         self.reasoning_budget = reasoning_budget
+        self.max_concurrent_configured = max_concurrent or max_sessions
+        # Without the batch scheduler: one generation at a time and no queue (the single-user path).
+        self.max_concurrent = self.max_concurrent_configured if batching else 1
+        self.max_sessions = max_sessions
+        n_slots = max(max_sessions, self.max_concurrent)
         self.numerics = numerics_for(self.gguf, self.spec, numerics)
         self.registry = GraphRegistry()
         self.device = device
         params = load_params(self.gguf, self.spec, device=device)
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device)
+        self.table = SlotTable(n_slots, max_sessions, can_truncate=True, idle_ttl_s=idle_ttl_s,
+                               watch_grace_s=watch_grace_s)
+        self.scheduler = Scheduler(self, self.runner, self.table, self.max_concurrent,
+                                   queue_depth if batching else 0)
         self.load_s = time.perf_counter() - t0
         self.weight_bytes = params_nbytes(params)
         self.kv_bytes = self.runner.cache.nbytes
-        self.prefill_tok_s: float | None = None  # measured on real prompts
-        self.busy = threading.Lock()  # the single-user path: one generation at a time
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._prefill = (0, 0.0)  # tokens, seconds of measured prefills
+        self._weights_version: int | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -117,122 +77,122 @@ class Engine:
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, parse_special=True, add_bos=False)
 
+    # ---- measurements -----------------------------------------------------------------------------
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        n, s = self._prefill
+        self._prefill = (n + tokens, s + seconds)
+
+    def prefill_rate(self) -> float:
+        n, s = self._prefill
+        return n / s if n and s > 0 else DEFAULT_PREFILL_TOK_S
+
+    @property
+    def prefill_measured(self) -> bool:
+        return self._prefill[0] > 0
+
+    @property
+    def weights_version(self) -> int:
+        """Derived from the weights themselves (not the file name): a hash of every tensor's bytes."""
+        if self._weights_version is None:
+            h = hashlib.sha256()
+            for name in sorted(self.gguf.tensors):
+                h.update(name.encode())
+                h.update(memoryview(self.gguf.tensor_data(name)).cast("B"))
+            self._weights_version = int.from_bytes(h.digest()[:6], "big")
+        return self._weights_version
+
     # ---- the device thread ----------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve_jobs, name=f"device-{self.name}", daemon=True)
-            self._thread.start()
+        self.scheduler.start()
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=30)
-            self._thread = None
+        self.scheduler.stop()
 
-    def _serve_jobs(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            request, emit, done = item
-            try:
-                self.run(request, emit)
-            except Exception as e:  # noqa: BLE001 - a failed generation must not kill the thread
-                log.exception("generation failed")
-                emit(RequestError("server_error", f"generation failed: {e}"))
-            finally:
-                done()
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.load > 0
 
-    async def submit(self, request: GenerationRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator:
-        """Run `request` on the device thread; yield its events. Closing the iterator early (client
-        disconnect) cancels the generation, which stops at the next token."""
+    async def submit(self, request: GenerationRequest) -> AsyncIterator:
+        """Queue `request` (BusyError at once when slots and queue are full) and yield its events.
+        Closing the iterator early (client disconnect) cancels it; its slot frees within one step."""
+        self.scheduler.reserve()
         self.start()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        finished = object()
-        emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
-
-        def done():
-            if on_done:
-                on_done()
-            loop.call_soon_threadsafe(events.put_nowait, finished)
-
-        self._jobs.put((request, emit, done))
+        self.scheduler.put(("generate", (request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))))
         try:
-            while (ev := await events.get()) is not finished:
+            while (ev := await events.get()) is not None:
                 yield ev
         finally:
             request.cancelled.set()
 
-    # ---- the token loop -----------------------------------------------------------------------------
-    def run(self, request: GenerationRequest, emit: Callable) -> None:
-        """Generate every choice of `request` in turn on slot 0, emitting events."""
-        runner, tok = self.runner, self.tokenizer
-        prompt = request.prompt_ids
-        if len(prompt) >= self.ctx:
-            emit(RequestError("context_over_budget", f"prompt of {len(prompt)} tokens exceeds the context window "
-                              f"(kv_used={len(prompt)}, kv_cap={self.ctx})", {"kv_used": len(prompt), "kv_cap": self.ctx}))
-            return
-        total, kv_used = 0, len(prompt)
-        force_close = tok.encode(THINK_CLOSE, parse_special=True, add_bos=False)
-        for index, params in enumerate(request.choices):
-            if request.cancelled.is_set():
-                return
-            t0 = time.perf_counter()
-            logits = runner.prefill(0, prompt, 0)[None]
-            logits.block_until_ready()
-            self.prefill_tok_s = len(prompt) / max(time.perf_counter() - t0, 1e-9)
-            state = runner.start_sampling(0, params)
-            text = ChoiceText(tok, request.stops, request.think, request.start_in_reasoning)
-            n, reason = self._decode_choice(request, index, params, state, text, logits, force_close, emit)
-            total += n
-            kv_used = len(prompt) + n
-            emit(ChoiceEnd(index, reason, n))
-        emit(RequestEnd(len(prompt), total, kv_used))
+    async def call(self, fn: Callable):
+        """Run fn() on the device thread and return its result (or raise its exception)."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
 
-    def _decode_choice(self, request, index, params, state: SlotSampling, text: ChoiceText, logits,
-                       force_close: list[int], emit) -> tuple[int, str]:
-        runner = self.runner
-        pos = len(request.prompt_ids)
-        budget = request.reasoning_budget if request.think else 0
-        reasoning_tokens, forced = 0, []
-        pending: list[TokenInfo] = []
-        n = 0
-        want_top = params.logprobs and params.top_logprobs > 0
-        while True:
-            if request.cancelled.is_set():
-                return n, "stop"
-            out = runner.sample(logits, [0], [state], forced=[forced.pop(0)] if forced else None)
-            token = int(out.tokens[0])
-            if token in self.tokenizer.eog_ids:
-                self._emit_delta(emit, index, text.finish(), pending)
-                return n, "stop"
-            n += 1
-            top = []
-            if want_top:
-                k = min(params.top_logprobs, MAX_TOP_LOGPROBS)
-                top = [(int(a), float(b)) for a, b in zip(out.top_ids[0][:k], out.top_logprobs[0][:k])]
-            if params.logprobs:
-                pending.append(TokenInfo(token, float(out.logprob[0]), top))
-            was_reasoning = text.in_reasoning
-            delta = text.push(token)
-            if delta.stopped:
-                self._emit_delta(emit, index, delta, pending)
-                return n, "stop"
-            if delta:
-                self._emit_delta(emit, index, delta, pending)
-                pending = []
-            if delta.looping:
-                self._emit_delta(emit, index, text.finish(), pending)
-                return n, "repetition_loop"
-            if was_reasoning and text.in_reasoning and not forced:
-                reasoning_tokens += 1
-                if budget > 0 and reasoning_tokens == budget:
-                    forced = list(force_close)
-            if n >= request.max_tokens or pos + 1 >= self.ctx:
-                self._emit_delta(emit, index, text.finish(), pending)
-                return n, "length"
-            logits = runner.decode([0], [token], [pos])
-            pos += 1
+        def done(result, error):
+            loop.call_soon_threadsafe(lambda: future.done() or (
+                future.set_exception(error) if error else future.set_result(result)))
 
-    @staticmethod
-    def _emit_delta(emit, index: int, delta, tokens: list[TokenInfo]) -> None:
-        if delta or tokens:
-            emit(Delta(index, delta.reasoning, delta.content, list(tokens)))
+        self.scheduler.put(("call", (fn, done)))
+        return await future
+
+    def run_sync(self, request: GenerationRequest, emit: Callable) -> None:
+        """Run one request to completion on this thread (the CLI; no server)."""
+        self.scheduler.reserve()
+        self.scheduler.put(("generate", (request, lambda ev: ev is not None and emit(ev))))
+        self.scheduler.loop(until_idle=True)
+
+    # ---- session export / restore (device thread: run through `call`) -------------------------------
+    def export_session(self, session_id: str) -> dict:
+        if session_id not in self.table.sessions:
+            raise SessionError(404, "session_not_found", f"no live session {session_id!r}")
+        if self.table.session_busy(session_id):
+            raise SessionError(429, "session_busy", f"a turn is in flight on session {session_id!r}; retry after it")
+        slot = self.table.latest_slot(session_id)
+        if slot is None:
+            raise SessionError(404, "session_not_found", f"session {session_id!r} holds no cached conversation")
+        n_tok = len(slot.tokens)
+        data = session_blob.pack({"arch": self.spec.arch, "weights_version": self.weights_version, "n_tok": n_tok},
+                                 self.runner.export_slot(slot.index, n_tok))
+        return {"session_id": session_id, "weights_version": self.weights_version, "n_tok": n_tok,
+                "blob_bytes": len(data), "blob": data, "tokens": list(slot.tokens)}
+
+    def restore_session(self, session_id: str, data: bytes, tokens: list[int]) -> dict:
+        try:
+            header, arrays = session_blob.unpack(data)
+        except session_blob.BlobError as e:
+            raise SessionError(400, "bad_session_blob", str(e)) from None
+        bad = lambda msg: SessionError(400, "bad_session_blob", msg)
+        if header.get("arch") != self.spec.arch:
+            raise bad(f"blob is for architecture {header.get('arch')!r}, this model is {self.spec.arch!r}")
+        if header.get("weights_version") != self.weights_version:
+            raise SessionError(409, "weights_version_mismatch", "blob was captured under different weights; "
+                                                                "replay the conversation instead")
+        n_tok = header.get("n_tok")
+        if not isinstance(n_tok, int) or n_tok != len(tokens):
+            raise bad(f"blob covers {n_tok} tokens but {len(tokens)} tokens were sent")
+        if not 0 < n_tok < self.ctx:
+            raise bad(f"blob of {n_tok} tokens does not fit this model's window ({self.ctx})")
+        if any(not isinstance(t, int) or not 0 <= t < self.spec.n_vocab for t in tokens):
+            raise bad("tokens must be token ids of this model")
+        layout = self.runner.slot_layout(n_tok)
+        got = {k: (tuple(a.shape), str(a.dtype)) for k, a in arrays.items()}
+        if got != layout:
+            raise bad("blob arrays do not fit this model's state layout")
+        try:
+            claimed = self.table.acquire(session_id, list(tokens))
+        except CapacityError:
+            claimed = None
+        if claimed is None:
+            raise SessionError(429, "model_at_session_capacity", "no free session slot for the restore")
+        slot, _ = claimed
+        try:
+            self.runner.import_slot(slot.index, arrays)
+        except Exception:
+            self.table.release_slot(slot, [])
+            raise
+        self.table.release_slot(slot, list(tokens))
+        return {"restored": True, "session_id": session_id, "n_tok": n_tok}

@@ -8,10 +8,11 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pantheon.config import MAX_MODEL_DIES, ModelConfig
+from pantheon.config import MAX_MODEL_DIES, EngineEnv, ModelConfig
 from pantheon.engine.dies import visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes
@@ -66,7 +67,7 @@ class ModelPool:
         return [e for e in self.entries() if e.state == READY]
 
     def any_busy(self) -> bool:
-        return any(e.engine is not None and e.engine.busy.locked() for e in self.entries())
+        return any(e.engine is not None and e.engine.busy for e in self.entries())
 
     def loading(self) -> bool:
         return any(e.state == LOADING for e in self.entries())
@@ -107,8 +108,12 @@ class ModelPool:
         try:
             with self._upload:
                 device = visible_dies_devices(config.dies)
-                entry.engine = Engine(config.path, config.name, ctx_cap=config.ctx_cap, n_slots=1,
-                                      reasoning_budget=config.reasoning_budget, device=device)
+                env = EngineEnv.from_env()
+                entry.engine = Engine(config.path, config.name, ctx_cap=config.ctx_cap,
+                                      max_sessions=config.max_sessions, max_concurrent=config.max_concurrent,
+                                      batching=env.batching, queue_depth=env.queue_depth,
+                                      numerics=config.numerics, reasoning_budget=config.reasoning_budget,
+                                      device=device, idle_ttl_s=env.idle_ttl_s, watch_grace_s=env.watch_grace_s)
                 entry.engine.start()
             entry.state = READY
             return entry
@@ -141,7 +146,8 @@ class ModelPool:
                 raise PoolError(507, "load_failed", f"dies {sorted(taken & set(config.dies))} are bound to "
                                                     "another model")
         try:
-            need = estimate_device_bytes(config.path, config.ctx_cap, 1)
+            need = estimate_device_bytes(config.path, config.ctx_cap,
+                                         max(config.max_sessions, config.max_concurrent_configured))
         except GGUFError as e:
             raise PoolError(500, "load_failed", str(e)) from None
         have = meminfo_bytes("MemAvailable", 1 << 62)
@@ -161,8 +167,9 @@ class ModelPool:
                 raise PoolError(409, "unload_failed", f"model {name!r} is still loading")
             entry.state = UNLOADING
         engine = entry.engine
-        with engine.busy:  # waits for the generation in flight
-            engine.stop()
+        while engine.busy:  # drain: the generations in flight finish first
+            time.sleep(0.05)
+        engine.stop()
         with self._lock:
             del self._entries[name]
 

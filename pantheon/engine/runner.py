@@ -18,7 +18,7 @@ from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_samp
 from pantheon.model import llama
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import ModelSpec
-from pantheon.model.state import allocate_kv_cache
+from pantheon.model.state import allocate_kv_cache, export_kv, import_kv, kv_slot_layout
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 CHUNK_BUCKETS = (16, 64, 256, 512)
@@ -100,6 +100,20 @@ class ModelRunner:
         rows = np.full(b, self.scratch, np.int32)
         ids[:n, 0], pos[:n, 0], rows[:n] = tokens, positions, slots
         return self._forward("decode", ids, pos, rows, np.zeros(b, np.int32), self.kv_bucket(max(positions) + 1))
+
+    def begin(self, slot: int, cached: int) -> None:
+        """A sequence starts in `slot`, reusing its first `cached` positions. Attention caches need no
+        reset: positions past `cached` are overwritten before they are attended."""
+
+    # ---- session state ------------------------------------------------------------------------------
+    def export_slot(self, slot: int, n_tok: int) -> dict:
+        return export_kv(self.cache, slot, n_tok)
+
+    def import_slot(self, slot: int, arrays: dict) -> None:
+        self.cache = import_kv(self.cache, slot, arrays)
+
+    def slot_layout(self, n_tok: int) -> dict:
+        return kv_slot_layout(self.cache, n_tok)
 
     # ---- sampling --------------------------------------------------------------------------------
     def start_sampling(self, slot: int, params: SamplingParams) -> SlotSampling:

@@ -52,13 +52,13 @@ def _first(value):
     return value[0] if isinstance(value, list) else value
 
 
-def spec_from_gguf(g: GGUFFile) -> ModelSpec:
+def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     arch = g.architecture
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"{g.path}: unsupported architecture {arch!r} "
                         f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
     if arch in HYBRID_ARCHS:
-        raise GGUFError(f"{g.path}: architecture {arch!r} is recognised but its model is not built yet")
+        return hybrid_spec_from_gguf(g)
 
     def key(name, default=None, required=False):
         full = f"{arch}.{name}"
@@ -113,6 +113,185 @@ def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
         expect["output.weight"] = (spec.n_vocab, spec.n_embd)
     for name, shape in expect.items():
         info = g.tensor_info(name)
+        if info.shape != shape:
+            raise GGUFError(f"{g.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
+                            f"from the {spec.arch} metadata")
+
+
+# ---- hybrid models (qwen35moe: Gated DeltaNet + gated full attention, every layer MoE) ----------------
+@dataclass(frozen=True)
+class HybridSpec:
+    """Hyper-parameters of qwen35moe. DeltaNet sizes follow llama.cpp's `ssm.*` keys: ssm_n_group is
+    the number of key heads, ssm_dt_rank the number of value heads, ssm_d_state both head dims."""
+
+    arch: str
+    n_layer: int  # trunk layers (block_count minus trailing MTP blocks)
+    n_embd: int
+    n_vocab: int
+    ctx_train: int
+    rms_eps: float
+    tied_embeddings: bool
+    recurrent: tuple[bool, ...]  # per layer: True = Gated DeltaNet, False = full attention
+    # full attention
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rope_dim: int
+    rope_base: float
+    rope_sections: tuple[int, ...]  # IMROPE sections; for text positions they do not change the result
+    # MoE + shared expert
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    # Gated DeltaNet
+    ssm_d_conv: int
+    ssm_d_state: int
+    ssm_n_group: int
+    ssm_dt_rank: int
+    rope_style: str = ROPE_NEOX
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def key_dim(self) -> int:  # all DeltaNet key heads
+        return self.ssm_n_group * self.ssm_d_state
+
+    @property
+    def value_dim(self) -> int:  # all DeltaNet value heads (= ssm.inner_size)
+        return self.ssm_dt_rank * self.ssm_d_state
+
+    @property
+    def conv_dim(self) -> int:  # channels of the causal conv: q | k | v
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.recurrent) if not r)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.recurrent) if r)
+
+
+def _per_layer(g: GGUFFile, full: str, value, layers) -> int:
+    """A scalar key, or a per-layer array that must hold one value over `layers`."""
+    if not isinstance(value, list):
+        return value
+    picked = {value[i] for i in layers if i < len(value)}
+    if len(picked) != 1:
+        raise GGUFError(f"{g.path}: {full!r} must have one value over layers {list(layers)}, got {value}")
+    return picked.pop()
+
+
+def hybrid_spec_from_gguf(g: GGUFFile) -> HybridSpec:
+    arch = g.architecture
+    missing = object()
+
+    def key(name, default=missing):
+        full = f"{arch}.{name}"
+        return g.require(full) if default is missing else g.get(full, default)
+
+    def bad(name, why):
+        return GGUFError(f"{g.path}: {arch}.{name} {why}")
+
+    n_layer_all = int(key("block_count"))
+    n_layer = n_layer_all - int(key("nextn_predict_layers", 0))  # MTP blocks are never run
+    recurrent = key("attention.recurrent_layers", None)
+    if recurrent is None:
+        interval = int(key("full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layer_all)]
+    if not isinstance(recurrent, list) or len(recurrent) != n_layer_all:
+        raise bad("attention.recurrent_layers", f"must be a list of {n_layer_all} flags, got {recurrent!r}")
+    recurrent = tuple(bool(r) for r in recurrent[:n_layer])
+    attn = [i for i, r in enumerate(recurrent) if not r] or [0]
+
+    n_embd = int(key("embedding_length"))
+    n_head = int(_per_layer(g, f"{arch}.attention.head_count", key("attention.head_count"), attn))
+    n_head_kv = int(_per_layer(g, f"{arch}.attention.head_count_kv", key("attention.head_count_kv", n_head), attn))
+    head_dim = int(key("attention.key_length", n_embd // n_head))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise bad("attention.value_length", f"must equal attention.key_length ({head_dim})")
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        raise bad("attention.head_count_kv", f"{n_head_kv} does not divide head_count {n_head}")
+    sections = key("rope.dimension_sections")
+    if not isinstance(sections, list) or len(sections) != 4:
+        raise bad("rope.dimension_sections", f"must be 4 integers, got {sections!r}")
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none":
+        raise bad("rope.scaling.type", f"{scaling!r} is not supported")
+
+    every = range(n_layer)
+    n_used = int(_per_layer(g, f"{arch}.expert_used_count", key("expert_used_count"), every))
+    n_ff = key("feed_forward_length", None)  # only a fallback for the two expert sizes
+    if n_ff is not None:
+        n_ff = _per_layer(g, f"{arch}.feed_forward_length", n_ff, every)
+    n_ff_exp = key("expert_feed_forward_length", None if n_ff is None else n_ff // n_used)
+    n_ff_shexp = key("expert_shared_feed_forward_length", n_ff)
+    if n_ff_exp is None or n_ff_shexp is None:
+        missing_key = "expert_feed_forward_length" if n_ff_exp is None else "expert_shared_feed_forward_length"
+        raise GGUFError(f"{g.path}: missing required metadata key {f'{arch}.{missing_key}'!r}")
+
+    d_state, n_group, dt_rank = int(key("ssm.state_size")), int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+    if int(key("ssm.inner_size")) != d_state * dt_rank:
+        raise bad("ssm.inner_size", f"must equal ssm.state_size * ssm.time_step_rank ({d_state * dt_rank})")
+    if n_group <= 0 or dt_rank % n_group:
+        raise bad("ssm.group_count", f"{n_group} does not divide ssm.time_step_rank {dt_rank}")
+
+    tokens = g.get("tokenizer.ggml.tokens")
+    n_vocab = int(key("vocab_size", len(tokens) if tokens else g.tensor_info("token_embd.weight").shape[0]))
+    spec = HybridSpec(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab, ctx_train=int(key("context_length")),
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")), tied_embeddings="output.weight" not in g.tensors,
+        recurrent=recurrent, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        rope_dim=int(key("rope.dimension_count", head_dim)), rope_base=float(key("rope.freq_base", 10000.0)),
+        rope_sections=tuple(int(s) for s in sections), n_expert=int(key("expert_count")), n_expert_used=n_used,
+        n_ff_exp=int(_per_layer(g, f"{arch}.expert_feed_forward_length", n_ff_exp, every)),
+        n_ff_shexp=int(_per_layer(g, f"{arch}.expert_shared_feed_forward_length", n_ff_shexp, every)),
+        ssm_d_conv=int(key("ssm.conv_kernel")), ssm_d_state=d_state, ssm_n_group=n_group, ssm_dt_rank=dt_rank)
+    if spec.rope_dim % 2 or not 0 < spec.rope_dim <= head_dim:
+        raise bad("rope.dimension_count", f"{spec.rope_dim} must be even and within head_dim {head_dim}")
+    if not 0 < spec.n_expert_used <= spec.n_expert:
+        raise bad("expert_used_count", f"{spec.n_expert_used} is not in 1..expert_count ({spec.n_expert})")
+    _check_hybrid_shapes(g, spec)
+    return spec
+
+
+def hybrid_tensor_shapes(g: GGUFFile, spec: HybridSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor the trunk reads, with its numpy shape (GGUF ne reversed)."""
+    e, x = spec.n_embd, spec.n_expert
+    shapes = {"token_embd.weight": (spec.n_vocab, e), "output_norm.weight": (e,)}
+    if not spec.tied_embeddings:
+        shapes["output.weight"] = (spec.n_vocab, e)
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        shapes.update({p + "attn_norm.weight": (e,), p + "post_attention_norm.weight": (e,),
+                       p + "ffn_gate_inp.weight": (x, e), p + "ffn_down_exps.weight": (x, e, spec.n_ff_exp),
+                       p + "ffn_gate_inp_shexp.weight": (e,), p + "ffn_gate_shexp.weight": (spec.n_ff_shexp, e),
+                       p + "ffn_up_shexp.weight": (spec.n_ff_shexp, e), p + "ffn_down_shexp.weight": (e, spec.n_ff_shexp)})
+        if p + "ffn_gate_up_exps.weight" in g.tensors:  # fused variant: gate rows first, then up
+            shapes[p + "ffn_gate_up_exps.weight"] = (x, 2 * spec.n_ff_exp, e)
+        else:
+            shapes[p + "ffn_gate_exps.weight"] = shapes[p + "ffn_up_exps.weight"] = (x, spec.n_ff_exp, e)
+        if spec.recurrent[i]:
+            nv, dv = spec.ssm_dt_rank, spec.ssm_d_state
+            shapes.update({p + "attn_qkv.weight": (spec.conv_dim, e), p + "attn_gate.weight": (spec.value_dim, e),
+                           p + "ssm_beta.weight": (nv, e), p + "ssm_alpha.weight": (nv, e),
+                           p + "ssm_conv1d.weight": (spec.conv_dim, spec.ssm_d_conv), p + "ssm_dt.bias": (nv,),
+                           p + "ssm_a": (nv,), p + "ssm_norm.weight": (dv,), p + "ssm_out.weight": (e, spec.value_dim)})
+        else:
+            q = spec.n_head * spec.head_dim
+            shapes.update({p + "attn_q.weight": (2 * q, e), p + "attn_k.weight": (spec.kv_dim, e),
+                           p + "attn_v.weight": (spec.kv_dim, e), p + "attn_q_norm.weight": (spec.head_dim,),
+                           p + "attn_k_norm.weight": (spec.head_dim,), p + "attn_output.weight": (e, q)})
+    return shapes
+
+
+def _check_hybrid_shapes(g: GGUFFile, spec: HybridSpec) -> None:
+    for name, shape in hybrid_tensor_shapes(g, spec).items():
+        info = g.tensor_info(name)  # GGUFError "missing tensor 'name'"
         if info.shape != shape:
             raise GGUFError(f"{g.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
                             f"from the {spec.arch} metadata")

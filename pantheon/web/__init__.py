@@ -33,6 +33,11 @@ class ServerState:
         except PoolError as e:
             raise ApiError(e.status, e.type, e.message) from None
 
+    def default_prefill_rate(self) -> float:
+        from pantheon.engine.engine import DEFAULT_PREFILL_TOK_S
+
+        return DEFAULT_PREFILL_TOK_S
+
     def refuse_if_shutting_down(self):
         if self.shutting_down:
             raise ApiError(503, "server_shutting_down", "server is draining for shutdown", {"Retry-After": "1"})

@@ -9,7 +9,8 @@ import uuid
 from quart import Blueprint, Response, current_app, request
 
 from pantheon.config import no_think_default
-from pantheon.engine.engine import ChoiceEnd, Delta, GenerationRequest, RequestEnd, RequestError
+from pantheon.engine.engine import BusyError
+from pantheon.engine.events import Admitted, ChoiceEnd, Delta, GenerationRequest, RequestEnd, RequestError
 from pantheon.engine.sampler import SamplingParams
 from pantheon.text.chat_template import ChatTemplateError
 from pantheon.web import sse
@@ -59,18 +60,34 @@ async def chat_completions():
         raise ApiError(422, "context_over_budget", msg)
     gen = GenerationRequest(
         prompt_ids=prompt_ids, choices=[_sampling(chat, i) for i in range(chat.n)], max_tokens=chat.max_tokens,
-        stops=chat.stop, think=think, start_in_reasoning=start_in_reasoning,
+        stops=chat.stop, think=think, start_in_reasoning=start_in_reasoning, session_id=chat.session_id,
         reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0))
-    if not engine.busy.acquire(blocking=False):
-        raise ApiError(429, "server_busy", f"model {engine.name!r} is already generating (single-user path); retry")
-    events = engine.submit(gen, on_done=engine.busy.release)
+    events = engine.submit(gen)
+    await _admitted(events, engine)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": engine.name}
     if chat.stream:
         response = Response(_stream(chat, meta, events, engine), content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
         response.timeout = None
         return response
-    return await _complete(chat, meta, events, engine)
+    try:
+        return await _complete(chat, meta, events, engine)
+    finally:
+        await events.aclose()
+
+
+async def _admitted(events, engine) -> None:
+    """Wait until the scheduler gives the request its slot; refusals become HTTP errors here, while
+    the status line can still say so."""
+    try:
+        first = await anext(events)
+    except BusyError:
+        raise ApiError(429, "server_busy", f"model {engine.name!r}: every slot is busy and the queue is full; "
+                                           "retry", {"Retry-After": "1"}) from None
+    if isinstance(first, RequestError):
+        await events.aclose()
+        _raise_for(first)
+    assert isinstance(first, Admitted), first
 
 
 def _prompt(engine, chat: ChatRequest) -> tuple[list[int], bool, bool]:
@@ -104,14 +121,21 @@ def _logprobs(engine, tokens) -> list[dict]:
 
 
 def _usage(end: RequestEnd, kv_cap: int) -> dict:
-    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
-            "total_tokens": end.prompt_tokens + end.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0}, "kv_used": end.kv_used, "kv_cap": kv_cap}
+    usage = {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+             "total_tokens": end.prompt_tokens + end.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": end.cached_tokens}, "kv_used": end.kv_used, "kv_cap": kv_cap}
+    if end.session_conflict:
+        usage["session_conflict"] = True
+    return usage
+
+
+_STATUS = {"context_over_budget": 422, "server_busy": 429, "model_at_session_capacity": 429}
 
 
 def _raise_for(err: RequestError):
-    status = {"context_over_budget": 422, "server_busy": 429}.get(err.type, 500)
-    raise ApiError(status, err.type, err.message)
+    retry = err.fields.get("retry_after")
+    raise ApiError(_STATUS.get(err.type, 500), err.type, err.message,
+                   {"Retry-After": str(retry)} if retry is not None else None)
 
 
 async def _complete(chat: ChatRequest, meta: dict, events, engine) -> dict:
@@ -148,6 +172,9 @@ async def _complete(chat: ChatRequest, meta: dict, events, engine) -> dict:
 
 
 async def _stream(chat: ChatRequest, meta: dict, events, engine):
+    """SSE in the contract's delta order. With n > 1 the choices stream one after another: events of
+    a later choice are held until the earlier ones have ended."""
+
     def chunk(index: int, delta: dict, finish=None, logprobs=None) -> bytes:
         choice = {"index": index, "delta": delta, "finish_reason": finish}
         if logprobs is not None:
@@ -157,41 +184,55 @@ async def _stream(chat: ChatRequest, meta: dict, events, engine):
             body["n_status"] = chat.n_status
         return sse.event(body)
 
-    opened, ended = set(), set()
+    def render(ev) -> bytes:
+        if isinstance(ev, ChoiceEnd):
+            return chunk(ev.index, {}, finish=ev.finish_reason)
+        lp = _logprobs(engine, ev.tokens) if chat.logprobs else None
+        out = b""
+        if ev.reasoning:
+            out += chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp)
+        if ev.content or (lp and not ev.reasoning):
+            out += chunk(ev.index, {"content": ev.content}, logprobs=lp)
+        return out
 
-    def open_choice(index: int) -> bytes:
-        if index in opened:
-            return b""
-        opened.add(index)
-        return chunk(index, {"role": "assistant", "content": ""})
+    held: dict[int, list[bytes]] = {i: [chunk(i, {"role": "assistant", "content": ""})] for i in range(chat.n)}
+    current, ended = 0, set()
+
+    def release() -> bytes:
+        nonlocal current
+        out = b""
+        while current < chat.n:
+            out += b"".join(held.pop(current, []))
+            if current not in ended:
+                held[current] = []
+                break
+            current += 1
+        return out
 
     try:
         async for ev in events:
-            if isinstance(ev, Delta):
-                out = open_choice(ev.index)
-                lp = _logprobs(engine, ev.tokens) if chat.logprobs else None
-                if ev.reasoning:
-                    out += chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp)
-                if ev.content or (lp and not ev.reasoning):
-                    out += chunk(ev.index, {"content": ev.content}, logprobs=lp)
-                yield out
-            elif isinstance(ev, ChoiceEnd):
-                ended.add(ev.index)
-                yield open_choice(ev.index) + chunk(ev.index, {}, finish=ev.finish_reason)
+            if isinstance(ev, (Delta, ChoiceEnd)):
+                held.setdefault(ev.index, []).append(render(ev))
+                if isinstance(ev, ChoiceEnd):
+                    ended.add(ev.index)
+                if ev.index == current:
+                    yield release()
             elif isinstance(ev, RequestEnd):
+                yield release()
                 if chat.include_usage:
                     yield sse.event({**meta, "object": "chat.completion.chunk", "choices": [],
                                      "usage": _usage(ev, engine.ctx)})
                 yield sse.DONE
             elif isinstance(ev, RequestError):
                 # The status line is already sent. context_over_budget ends the stream as an error
-                # event; any other failure closes the open choice with "stop".
+                # event; any other failure closes the open choices with "stop".
                 if ev.type == "context_over_budget":
                     yield sse.event(error_body(ev.type, ev.message, **ev.fields))
                     return
-                for i in sorted(opened - ended):
-                    yield chunk(i, {}, finish="stop")
-                yield sse.DONE
+                out = release()
+                for i in range(current, chat.n):
+                    out += b"".join(held.pop(i, [])) + (chunk(i, {}, finish="stop") if i not in ended else b"")
+                yield out + sse.DONE
                 return
     finally:
         await events.aclose()

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from pantheon.engine.pool import ModelEntry
 
-SERVED_CONCURRENCY = 1  # no batch scheduler yet: one generation per model at a time
-
-
 def _graphs(engine, operator: bool) -> dict | None:
     reg = engine.registry
     total = reg.counters()
@@ -38,7 +35,7 @@ def _attention(engine, operator: bool) -> dict | None:
 def public_row(entry: ModelEntry) -> dict:
     e, c = entry.engine, entry.config
     row = {"id": c.name, "object": "model", "created": 0, "owned_by": "pantheon",
-           "max_sessions": c.max_sessions, "max_concurrent": SERVED_CONCURRENCY,
+           "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "context_window": e.ctx, "tool_choice_required_with_thinking": False}
     for key, value in (("graphs", _graphs(e, False)), ("attention", _attention(e, False))):
         if value is not None:
@@ -49,8 +46,8 @@ def public_row(entry: ModelEntry) -> dict:
 def operator_row(entry: ModelEntry) -> dict:
     e, c = entry.engine, entry.config
     row = {"id": c.name, "object": "model", "path": str(c.path), "dies": list(c.dies or [0]),
-           "vram_bytes": e.device_bytes, "max_sessions": c.max_sessions, "max_concurrent": SERVED_CONCURRENCY,
-           "max_concurrent_configured": c.max_concurrent_configured,
+           "vram_bytes": e.device_bytes, "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
+           "max_concurrent_configured": e.max_concurrent_configured,
            "context_window": e.ctx, "context_window_configured": e.ctx_configured}
     for key, value in (("graphs", _graphs(e, True)), ("attention", _attention(e, True))):
         if value is not None:

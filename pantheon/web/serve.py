@@ -19,7 +19,8 @@ def config_from_args(args) -> ServeConfig:
     return ServeConfig(models=models or env.models, host=args.host, port=args.port,
                        ctx_cap=pick(args.ctx_cap, env.ctx_cap), max_sessions=pick(args.max_sessions, env.max_sessions),
                        max_concurrent=pick(args.max_concurrent, env.max_concurrent),
-                       reasoning_budget=pick(args.reasoning_budget, env.reasoning_budget), dies=dies)
+                       reasoning_budget=pick(args.reasoning_budget, env.reasoning_budget), dies=dies,
+                       numerics=args.numerics)
 
 
 def serve(args) -> int:

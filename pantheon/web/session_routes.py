@@ -1,18 +1,23 @@
-"""Session routes. Their shapes and validation are complete; the session table itself (prefix cache,
-export/restore blobs, watch) arrives with the scheduler/sessions issue, so until then every model
-reports `session_caching_disabled` where a live session would be needed."""
+"""Session routes: export, restore, release, estimate, watch. The session table lives on the
+engine's device thread; these routes reach it through `engine.call`."""
 
 from __future__ import annotations
 
-from quart import Blueprint, current_app, request
+import asyncio
+import base64
+import binascii
 
+from quart import Blueprint, Response, current_app, request
+
+from pantheon.engine.sessions import SessionError
+from pantheon.web import sse
 from pantheon.web.errors import ApiError, invalid
 from pantheon.web.openai_routes import _json_body
 
 bp = Blueprint("sessions", __name__)
-FALLBACK_PREFILL_TOK_S = 500.0  # before a prefill has been measured (SmolLM2 on 2 CPU cores: ~500)
 BLOB_BYTES_PER_TOKEN = 16 * 1024
 DEFAULT_UPLOAD_BPS = 12.5e6
+WATCH_KEEPALIVE_S = 15.0
 
 
 def _engine(name):
@@ -24,8 +29,11 @@ def _engine(name):
     return engine
 
 
-def _no_session_cache(engine):
-    return ApiError(400, "session_caching_disabled", f"model {engine.name!r} has no session cache")
+async def _call(engine, fn):
+    try:
+        return await engine.call(fn)
+    except SessionError as e:
+        raise ApiError(e.status, e.type, e.message, {"Retry-After": "30"} if e.status == 429 else None) from None
 
 
 async def _body() -> dict:
@@ -47,27 +55,37 @@ def _session_id(body: dict, header: bool = True) -> str:
 @bp.route("/admin/session/export", methods=["POST"])
 async def session_export():
     body = await _body()
-    _session_id(body, header=False)
-    raise _no_session_cache(_engine(body.get("name")))
+    sid = _session_id(body, header=False)
+    engine = _engine(body.get("name"))
+    out = await _call(engine, lambda: engine.export_session(sid))
+    data = out.pop("blob")
+    return {**out, "blob_b64": base64.b64encode(data).decode()}
 
 
 @bp.route("/session/restore", methods=["POST"])
 async def session_restore():
     body = await _body()
-    _session_id(body)
-    if not isinstance(body.get("blob"), str):
+    sid = _session_id(body)
+    blob, tokens = body.get("blob"), body.get("tokens")
+    if not isinstance(blob, str) or not blob:
         raise invalid("'blob' (base64) is required")
-    if not isinstance(body.get("tokens"), list):
+    if not isinstance(tokens, list):
         raise invalid("'tokens' is required")
-    raise _no_session_cache(_engine(body.get("name")))
+    engine = _engine(body.get("name"))
+    try:
+        data = base64.b64decode(blob, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "bad_session_blob", "'blob' is not valid base64") from None
+    return await _call(engine, lambda: engine.restore_session(sid, data, tokens))
 
 
 @bp.route("/session/release", methods=["POST"])
 async def session_release():
     body = await _body()
     sid = _session_id(body)
-    _engine(body.get("name"))
-    return {"released": True, "session_id": sid}  # idempotent: nothing is held
+    engine = _engine(body.get("name"))
+    await _call(engine, lambda: engine.table.release(sid))
+    return {"released": True, "session_id": sid}
 
 
 @bp.route("/session/estimate", methods=["GET"])
@@ -82,7 +100,7 @@ async def session_estimate():
             value = float(raw)
         except ValueError:
             raise invalid(f"'{key}' must be a number") from None
-        if value <= 0:
+        if not value > 0:
             raise invalid(f"'{key}' must be positive")
         return value
 
@@ -90,11 +108,12 @@ async def session_estimate():
     if tokens is None:
         raise invalid("'tokens' is required and must be positive")
     tokens = int(tokens)
-    name = args.get("name")
-    engine = current_app.pantheon.pool.find(name)
+    engine = current_app.pantheon.pool.find(args.get("name"))
+    if args.get("name") is not None and engine is not None and engine.name != args.get("name"):
+        engine = None
     blob = int(positive("blob_bytes", tokens * BLOB_BYTES_PER_TOKEN))
     bps = positive("upload_bps", DEFAULT_UPLOAD_BPS)
-    rate = (engine.prefill_tok_s if engine and engine.prefill_tok_s else FALLBACK_PREFILL_TOK_S)
+    rate = engine.prefill_rate() if engine else current_app.pantheon.default_prefill_rate()
     return {"model": engine.name if engine else "", "tokens": tokens, "prefill_tok_per_s": round(rate, 2),
             "cold_reprefill_s": round(tokens / rate, 2), "warm_restore_s": round(blob / bps, 3),
             "blob_bytes_est": blob}
@@ -105,4 +124,19 @@ async def session_watch():
     sid = request.args.get("session_id") or request.headers.get("X-Session-Id")
     if not sid:
         raise invalid("'session_id' is required")
-    raise _no_session_cache(_engine(request.args.get("name")))
+    engine = _engine(request.args.get("name"))
+    if not await _call(engine, lambda: engine.table.watch(sid)):
+        raise ApiError(503, "watch_unavailable", "the watch table is full")
+
+    async def hold():
+        try:
+            yield sse.comment("watch established")
+            while True:  # the session is never reaped while this connection is open
+                await asyncio.sleep(WATCH_KEEPALIVE_S)
+                yield sse.comment("keep-alive")
+        finally:
+            engine.scheduler.put(("call", (lambda: engine.table.unwatch(sid), lambda *_: None)))
+
+    response = Response(hold(), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    response.timeout = None
+    return response

@@ -59,7 +59,7 @@ def test_models_list_dedups_and_carries_backend_build_window(http):
     ids = [m["id"] for m in body["data"]]
     assert sorted(ids) == ["smol", "smol-b"]
     m = body["data"][0]
-    assert m["context_window"] == 4096 and m["max_concurrent"] == 1 and m["owned_by"] == "pantheon"
+    assert m["context_window"] == 4096 and m["max_concurrent"] == 4 and m["owned_by"] == "pantheon"
     assert "live" not in m and "free_slots" not in m
 
 
@@ -97,28 +97,6 @@ def test_chat_prompt_over_window_streaming_sends_terminal_error_event(http):
     assert err["type"] == "context_over_budget" and err["kv_cap"] == 4096 and err["kv_used"] > 4096
 
 
-def test_second_concurrent_request_to_one_model_is_429_server_busy(smol_server, http):
-    started = threading.Event()
-    result = {}
-
-    def long_stream():
-        with httpx.stream("POST", smol_server.url + CHAT, timeout=120,
-                          json={"model": "smol-b", "messages": MSG, "max_tokens": 200, "stream": True,
-                                "logit_bias": {"2": -100, "0": -100, "4": -100}}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    started.set()
-            result["done"] = True
-
-    t = threading.Thread(target=long_stream)
-    t.start()
-    assert started.wait(60)
-    check_error(http.post(CHAT, json={"model": "smol-b", "messages": MSG, "max_tokens": 1}), 429, "server_busy")
-    ok = http.post(CHAT, json={"model": "smol", "messages": MSG, "max_tokens": 1})  # the other model is free
-    assert ok.status_code == 200
-    t.join(120)
-
-
 def test_client_disconnect_mid_stream_frees_the_model(smol_server, http):
     with httpx.stream("POST", smol_server.url + CHAT, timeout=60,
                       json={"model": "smol-b", "messages": MSG, "max_tokens": 500, "stream": True,
@@ -140,7 +118,7 @@ def test_admin_models_rows_carry_configured_and_served_numbers(http):
     http.post(CHAT, json={"model": "smol", "messages": MSG, "max_tokens": 1})
     rows = {r["id"]: r for r in http.get("/admin/models").json()["data"]}
     row = rows["smol"]
-    assert row["max_concurrent"] == 1 and row["max_concurrent_configured"] == 4
+    assert row["max_concurrent"] == row["max_concurrent_configured"] == 4
     assert row["context_window"] == row["context_window_configured"] == 4096
     assert row["vram_bytes"] > 500 * 2**20 and row["path"].endswith(".gguf")
     g = row["graphs"]
@@ -220,15 +198,15 @@ def test_session_export_errors(http):
     check_error(http.post("/admin/session/export", content=b""), 400, "invalid_request_error")
     check_error(http.post("/admin/session/export", json={"name": "smol"}), 400, "invalid_request_error")
     check_error(http.post("/admin/session/export", json={"name": "nope", "session_id": "s"}), 404, "model_not_found")
-    check_error(http.post("/admin/session/export", json={"name": "smol", "session_id": "s"}),
-                400, "session_caching_disabled")
+    check_error(http.post("/admin/session/export", json={"name": "smol", "session_id": "never-seen"}),
+                404, "session_not_found")
 
 
 def test_session_restore_errors(http):
     check_error(http.post("/session/restore", json={"session_id": "s", "tokens": []}), 400, "invalid_request_error")
     check_error(http.post("/session/restore", json={"session_id": "s", "blob": ""}), 400, "invalid_request_error")
-    check_error(http.post("/session/restore", json={"session_id": "s", "blob": "", "tokens": []}),
-                400, "session_caching_disabled")
+    check_error(http.post("/session/restore", json={"session_id": "s", "blob": "AAAA", "tokens": [1]}),
+                400, "bad_session_blob")
 
 
 def test_session_release_is_idempotent_and_validates(http):
@@ -250,7 +228,3 @@ def test_session_estimate_arithmetic_and_errors(http):
     check_error(http.get("/session/estimate", params={"tokens": 0}), 400, "invalid_request_error")
 
 
-def test_session_watch_errors(http):
-    check_error(http.get("/session/watch"), 400, "invalid_request_error")
-    check_error(http.get("/session/watch", params={"session_id": "s", "name": "nope"}), 404, "model_not_found")
-    check_error(http.get("/session/watch", params={"session_id": "s"}), 400, "session_caching_disabled")

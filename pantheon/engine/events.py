@@ -1,0 +1,66 @@
+"""What the asyncio side hands the device thread (`GenerationRequest`) and what comes back."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from pantheon.engine.sampler import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    choices: list[SamplingParams]  # one per choice; seeds already offset per choice
+    max_tokens: int
+    stops: list[str] = field(default_factory=list)
+    think: bool = False  # split <think>...</think> into reasoning_content
+    start_in_reasoning: bool = False  # the rendered prompt ends inside an open think block
+    reasoning_budget: int = 0  # force the think block closed after this many tokens (0 = off)
+    session_id: str | None = None  # choice 0 resumes from / stores into this session's cache
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class TokenInfo:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Admitted:
+    """The request got its slot; nothing can refuse it any more."""
+
+    cached_tokens: int
+
+
+@dataclass
+class Delta:
+    index: int
+    reasoning: str = ""
+    content: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)  # tokens since the previous delta (logprobs)
+
+
+@dataclass
+class ChoiceEnd:
+    index: int
+    finish_reason: str
+    completion_tokens: int
+
+
+@dataclass
+class RequestEnd:
+    prompt_tokens: int
+    completion_tokens: int
+    kv_used: int
+    cached_tokens: int = 0
+    session_conflict: bool = False
+
+
+@dataclass
+class RequestError:
+    type: str
+    message: str
+    fields: dict = field(default_factory=dict)  # kv_used/kv_cap for context_over_budget; retry_after
