@@ -69,6 +69,8 @@ def cmd_tokenize(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.concurrency:
+        return _bench_http(args)
     from pantheon.engine.bench import run_bench
 
     engine = _load_engine(args, ctx_cap=max(1024, args.prompt_tokens + args.decode_tokens + 8))
@@ -76,6 +78,62 @@ def cmd_bench(args) -> int:
     print(result.table())
     print(json.dumps(result.as_dict()))
     return 0
+
+
+def _bench_http(args) -> int:
+    """Against --url, or a server started here for the run (max_concurrent = the largest level)."""
+    from pantheon.engine import httpbench
+    from pantheon.gguf import open_gguf
+    from pantheon.text.tokenizer import Tokenizer
+
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    path = _model_path(args.model)
+    bias = {str(t): -100 for t in Tokenizer.from_gguf(open_gguf(path)).eog_ids}  # full-length decodes
+    server = None
+    url = args.url
+    try:
+        if not url:
+            server, url = _start_bench_server(path, max(levels), args)
+        results = []
+        httpbench.run_level(url, 1, 8, bias)  # warm-up: compiles the executables the levels need
+        for level in levels:
+            httpbench.run_level(url, level, 8, bias)
+            results.append(httpbench.run_level(url, level, args.decode_tokens, bias))
+        print(httpbench.table(results))
+        print(httpbench.as_json(results))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    return 0
+
+
+def _start_bench_server(path: str, concurrency: int, args):
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pantheon", "serve", "--model", path, "--port", str(port),
+           "--max-concurrent", str(concurrency), "--max-sessions", str(concurrency), "--ctx-cap", "1024",
+           "--numerics", args.numerics]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).json()["data"]:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("the bench server exited during start-up")
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the bench server did not come up in 300 s")
 
 
 def cmd_serve(args) -> int:
@@ -117,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(b)
     b.add_argument("--prompt-tokens", type=int, default=512)
     b.add_argument("--decode-tokens", type=int, default=128)
+    b.add_argument("--concurrency", help="comma-separated levels, e.g. 1,4,8: aggregate decode tok/s and TTFT "
+                                         "p50/p95 against a live server (started here unless --url)")
+    b.add_argument("--url", help="a running server to measure with --concurrency")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
