@@ -20,8 +20,9 @@ from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
 from pantheon.engine.sessions import CapacityError, SessionError, SlotTable
 from pantheon.gguf.reader import GGUFFile, open_gguf
+from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
-from pantheon.model.weights import load_params, numerics_for, params_nbytes
+from pantheon.model.weights import params_nbytes
 from pantheon.text.chat_template import ChatTemplate
 from pantheon.text.reasoning import think_mode
 from pantheon.text.tokenizer import Tokenizer
@@ -51,12 +52,13 @@ class Engine:
         self.max_concurrent = self.max_concurrent_configured if batching else 1
         self.max_sessions = max_sessions
         n_slots = max(max_sessions, self.max_concurrent)
-        self.numerics = numerics_for(self.gguf, self.spec, numerics)
+        family = family_of(self.spec)
+        self.numerics = family.numerics_for(self.gguf, self.spec, numerics)
         self.registry = GraphRegistry()
         self.device = device
-        params = load_params(self.gguf, self.spec, device=device)
+        params = family.load_params(self.gguf, self.spec, device=device)
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device)
-        self.table = SlotTable(n_slots, max_sessions, can_truncate=True, idle_ttl_s=idle_ttl_s,
+        self.table = SlotTable(n_slots, max_sessions, can_truncate=family.can_truncate, idle_ttl_s=idle_ttl_s,
                                watch_grace_s=watch_grace_s)
         self.scheduler = Scheduler(self, self.runner, self.table, self.max_concurrent,
                                    queue_depth if batching else 0)

@@ -15,10 +15,10 @@ import numpy as np
 from pantheon.engine.graphs import GraphKey, GraphRegistry
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
-from pantheon.model import llama
+from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import ModelSpec
-from pantheon.model.state import allocate_kv_cache, export_kv, import_kv, kv_slot_layout
+from pantheon.model.state import export_slot, import_slot, slot_layout
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 CHUNK_BUCKETS = (16, 64, 256, 512)
@@ -46,8 +46,9 @@ class ModelRunner:
                  registry: GraphRegistry | None = None, device=None):
         self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
         self.registry = registry or GraphRegistry()
+        self.family = family_of(spec)
         sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
-        self.cache = allocate_kv_cache(spec, n_slots, ctx, sharding=sharding)
+        self.cache = self.family.allocate_state(spec, n_slots, ctx, sharding=sharding)
         self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), device)
         self.scratch = n_slots  # the extra cache slot padded rows write to
 
@@ -63,10 +64,11 @@ class ModelRunner:
         def call(name, fn, args, static):
             # Only the head depends on all_logits and only blocks on kv_len: key each program by
             # what it was compiled for, so no identical executable is built twice.
-            bucket = shape + ((all_logits,) if name == "head" else (kv_len,) if name == "block" else ())
+            bucket = shape + ((all_logits,) if name == "head" else (kv_len,) if name in kv_programs else ())
             return self.registry.call(GraphKey(kind, name, bucket), fn, args, static)
 
-        logits, self.cache = llama.forward(self.params, self.cache, tokens, positions, slots, logit_index,
+        kv_programs = self.family.kv_programs
+        logits, self.cache = self.family.forward(self.params, self.cache, tokens, positions, slots, logit_index,
                                            spec=self.spec, numerics=self.numerics, kv_len=kv_len,
                                            all_logits=all_logits, call=call)
         return logits
@@ -102,18 +104,20 @@ class ModelRunner:
         return self._forward("decode", ids, pos, rows, np.zeros(b, np.int32), self.kv_bucket(max(positions) + 1))
 
     def begin(self, slot: int, cached: int) -> None:
-        """A sequence starts in `slot`, reusing its first `cached` positions. Attention caches need no
-        reset: positions past `cached` are overwritten before they are attended."""
+        """A sequence starts in `slot`, reusing its first `cached` positions. No reset is needed:
+        attention positions past `cached` are overwritten before they are attended, and a recurrent
+        state restarts from zero whenever a row's first position is 0 (the slot table only reuses a
+        recurrent slot's full history)."""
 
     # ---- session state ------------------------------------------------------------------------------
     def export_slot(self, slot: int, n_tok: int) -> dict:
-        return export_kv(self.cache, slot, n_tok)
+        return export_slot(self.cache, slot, n_tok)
 
     def import_slot(self, slot: int, arrays: dict) -> None:
-        self.cache = import_kv(self.cache, slot, arrays)
+        self.cache = import_slot(self.cache, slot, arrays)
 
     def slot_layout(self, n_tok: int) -> dict:
-        return kv_slot_layout(self.cache, n_tok)
+        return slot_layout(self.cache, n_tok)
 
     # ---- sampling --------------------------------------------------------------------------------
     def start_sampling(self, slot: int, params: SamplingParams) -> SlotSampling:

@@ -125,12 +125,13 @@ class Scheduler:
             self._thread = None
 
     def loop(self, until_idle: bool = False) -> None:
+        worked = True
         while not self._stopping:
             idle = not (self.waiting or self.running)
             if idle and until_idle and self.inbox.empty():
                 return
-            try:
-                item = self.inbox.get(timeout=1.0) if idle else self.inbox.get_nowait()
+            try:  # block when idle; when only waiting work that cannot start yet, poll gently
+                item = self.inbox.get(timeout=1.0 if idle else 0.02) if idle or not worked else self.inbox.get_nowait()
             except queue.Empty:
                 item = False
             while item is not False:
@@ -142,7 +143,7 @@ class Scheduler:
                 except queue.Empty:
                     item = False
             try:
-                self.step()
+                worked = self.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the thread
                 log.exception("device step failed")
                 for seq in list(self.running):
@@ -161,7 +162,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 done(None, e)
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One scheduling round; False when there was nothing to compute."""
         now = time.monotonic()
         self._drop_cancelled(now)
         self._admit()
@@ -174,6 +176,7 @@ class Scheduler:
         decoding = [s for s in self.running if not s.prefilling and s.last is not None]
         if decoding:
             self._decode_step(decoding)
+        return bool(prefilling or decoding)
 
     # ---- admission --------------------------------------------------------------------------------------
     def _drop_cancelled(self, now: float) -> None:

@@ -50,6 +50,9 @@ class SessionError(Exception):
 
 
 class SlotTable:
+    """Slots are shared: an anonymous request that finds every free slot held by an idle session
+    borrows the least recently used one (that session's next turn re-prefills) rather than starve."""
+
     def __init__(self, n_slots: int, max_sessions: int, can_truncate: bool = True,
                  idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, max_watches: int = 64):
         self.slots = [Slot(i) for i in range(n_slots)]
@@ -63,8 +66,8 @@ class SlotTable:
         """How many leading prompt tokens the slot's cache can serve (at least one token is always
         left to prefill, for the logits)."""
         n = common_prefix(slot.tokens, prompt)
-        if not self.can_truncate and n < len(slot.tokens):
-            return 0  # recurrent state cannot be rewound to a shorter prefix
+        if not self.can_truncate:  # recurrent state cannot be rewound: all of the history or nothing
+            return n if n == len(slot.tokens) and n < len(prompt) else 0
         return min(n, len(prompt) - 1)
 
     # ---- choosing a slot ----------------------------------------------------------------------------
@@ -72,9 +75,9 @@ class SlotTable:
         """A free slot for this prompt and the number of cached tokens it reuses, or None when every
         usable slot is busy (the caller waits). Raises CapacityError for a new id over max_sessions."""
         now = time.monotonic()
-        free_unowned = [s for s in self.slots if not s.busy and not self._live_owner(s)]
+        free = [s for s in self.slots if not s.busy]
         if session_id is None:
-            return self._take(free_unowned, prompt, use_cache, None, now)
+            return self._take(self._spare(free), prompt, use_cache, None, now)
         session = self.sessions.get(session_id)
         if session is None:
             if len(self.sessions) >= self.max_sessions:
@@ -82,18 +85,31 @@ class SlotTable:
             session = self.sessions[session_id] = Session(session_id, now)
         session.last_used = now
         session.release_at = None
-        owned = [s for s in self.slots if s.owner == session_id]
-        free_owned = [s for s in owned if not s.busy]
+        free_owned = [s for s in free if s.owner == session_id]
         best = max(free_owned, key=lambda s: self.reusable(s, prompt), default=None)
         if best is not None and self.reusable(best, prompt) > 0 and use_cache:
             return self._claim(best, session_id, prompt, use_cache, now)
-        if free_unowned:  # a further conversation under this id gets its own slot
-            return self._take(free_unowned, prompt, use_cache, session_id, now)
+        unowned = [s for s in free if not self._live_owner(s)]
+        if unowned:  # a further conversation under this id gets its own slot
+            return self._take(unowned, prompt, use_cache, session_id, now)
         if free_owned:  # no room: this conversation evicts another of the same id
             if any(s.tokens for s in free_owned):
                 session.conflict = True
             return self._claim(min(free_owned, key=lambda s: s.last_used), session_id, prompt, use_cache, now)
-        return None
+        return self._take(self._spare(free), prompt, use_cache, session_id, now)
+
+    def _spare(self, free: list[Slot]) -> list[Slot]:
+        """Free slots a request may take, best first: not held by a live session; else a session's
+        extra conversation; else the least recently used idle session's slot (it re-prefills)."""
+        unowned = [s for s in free if not self._live_owner(s)]
+        if unowned:
+            return unowned
+        held = {}
+        for s in self.slots:
+            if s.owner is not None:
+                held[s.owner] = held.get(s.owner, 0) + 1
+        extra = [s for s in free if held.get(s.owner, 0) > 1]
+        return sorted(extra or free, key=lambda s: s.last_used)[:1]
 
     def _take(self, candidates: list[Slot], prompt, use_cache, owner, now):
         if not candidates:

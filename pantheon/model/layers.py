@@ -9,6 +9,9 @@ import jax.numpy as jnp
 
 from pantheon.model.numerics import NONE, quantize_activations
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
+# Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
+# implementation, beside its Pallas kernels (pantheon/pallas/attention.py).
+from pantheon.pallas.attention import attention_reference as gqa_attention  # noqa: F401
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -44,19 +47,3 @@ def swiglu(x, w_gate, w_up, w_down, schemes=(NONE, NONE, NONE)) -> jax.Array:
 def linear(x: jax.Array, w: jax.Array, scheme: str = NONE) -> jax.Array:
     """y = x W with W stored [in, out]; x is first rounded per `scheme` (see numerics.py)."""
     return jnp.einsum("...i,io->...o", quantize_activations(x, scheme), w)
-
-
-def gqa_attention(q: jax.Array, keys: jax.Array, values: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """Causal grouped-query attention against cached keys at absolute positions 0..S-1.
-
-    q: [B, T, H, D]; keys/values: [B, S, K, D]; q_pos: [B, T] absolute position of each query.
-    Key s is visible to a query at position p iff s <= p. Returns [B, T, H, D]."""
-    b, t, h, d = q.shape
-    k_heads = keys.shape[2]
-    qg = q.reshape(b, t, k_heads, h // k_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys) * (d ** -0.5)  # [B, K, G, T, S]
-    visible = jnp.arange(keys.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values)
-    return out.reshape(b, t, h, d)

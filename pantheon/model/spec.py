@@ -270,7 +270,8 @@ def hybrid_tensor_shapes(g: GGUFFile, spec: HybridSpec) -> dict[str, tuple[int, 
         shapes.update({p + "attn_norm.weight": (e,), p + "post_attention_norm.weight": (e,),
                        p + "ffn_gate_inp.weight": (x, e), p + "ffn_down_exps.weight": (x, e, spec.n_ff_exp),
                        p + "ffn_gate_inp_shexp.weight": (e,), p + "ffn_gate_shexp.weight": (spec.n_ff_shexp, e),
-                       p + "ffn_up_shexp.weight": (spec.n_ff_shexp, e), p + "ffn_down_shexp.weight": (e, spec.n_ff_shexp)})
+                       p + "ffn_up_shexp.weight": (spec.n_ff_shexp, e),
+                       p + "ffn_down_shexp.weight": (e, spec.n_ff_shexp)})
         if p + "ffn_gate_up_exps.weight" in g.tensors:  # fused variant: gate rows first, then up
             shapes[p + "ffn_gate_up_exps.weight"] = (x, 2 * spec.n_ff_exp, e)
         else:

@@ -6,11 +6,14 @@ write there, so a padded row can never disturb a live conversation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pantheon.model.spec import HybridSpec, ModelSpec
 
@@ -97,31 +100,45 @@ def allocate_hybrid_state(spec: HybridSpec, n_slots: int, ctx: int, dtype=jnp.fl
                        ssm=[zeros(ssm, jnp.float32) for _ in range(n_rec)], ctx=ctx)
 
 
-def export_kv(cache: KVCache, slot: int, n_tok: int) -> dict[str, "np.ndarray"]:
-    """The first n_tok positions of one slot, per layer, as host arrays named k.<layer>, v.<layer>."""
-    import numpy as np
+# ---- one slot's state as host arrays (session export / restore) -------------------------------------
+# Buffers are the list-valued fields of a state dataclass (k, v, and for hybrid models conv, ssm),
+# exported as "<field>.<i>". Position-indexed buffers (k, v) export their first n_tok positions;
+# recurrent buffers export the slot's whole row.
+POSITIONAL = ("k", "v")
 
+
+def _buffers(state):
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, list):
+            yield f.name, value
+
+
+def export_slot(state, slot: int, n_tok: int) -> dict[str, np.ndarray]:
     out = {}
-    for i, (k, v) in enumerate(zip(cache.k, cache.v)):
-        out[f"k.{i}"] = np.asarray(k[slot, :n_tok])
-        out[f"v.{i}"] = np.asarray(v[slot, :n_tok])
+    for name, bufs in _buffers(state):
+        for i, buf in enumerate(bufs):
+            out[f"{name}.{i}"] = np.asarray(buf[slot, :n_tok] if name in POSITIONAL else buf[slot])
     return out
 
 
 @partial(jax.jit, donate_argnums=(0,))
-def _write_rows(buf, slot, rows):
-    return jax.lax.dynamic_update_slice(buf, rows[None].astype(buf.dtype), (slot, 0, 0, 0))
+def _write_row(buf, slot, row):
+    return jax.lax.dynamic_update_slice(buf, row[None].astype(buf.dtype), (slot,) + (0,) * (buf.ndim - 1))
 
 
-def import_kv(cache: KVCache, slot: int, arrays: dict) -> KVCache:
-    """Install exported rows into `slot` (shapes already validated by the caller)."""
-    ks = [_write_rows(k, slot, arrays[f"k.{i}"]) for i, k in enumerate(cache.k)]
-    vs = [_write_rows(v, slot, arrays[f"v.{i}"]) for i, v in enumerate(cache.v)]
-    return KVCache(ks, vs)
+def import_slot(state, slot: int, arrays: dict):
+    """Install exported arrays into `slot` (shapes already validated by the caller)."""
+    updates = {name: [_write_row(buf, slot, arrays[f"{name}.{i}"]) for i, buf in enumerate(bufs)]
+               for name, bufs in _buffers(state)}
+    return dataclasses.replace(state, **updates)
 
 
-def kv_slot_layout(cache: KVCache, n_tok: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) an exported slot of n_tok positions must have."""
-    row = cache.k[0].shape[2:]
-    dtype = str(cache.k[0].dtype)
-    return {f"{kind}.{i}": ((n_tok, *row), dtype) for i in range(len(cache.k)) for kind in ("k", "v")}
+def slot_layout(state, n_tok: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) that an exported slot of n_tok positions has."""
+    out = {}
+    for name, bufs in _buffers(state):
+        for i, buf in enumerate(bufs):
+            row = buf.shape[1:]
+            out[f"{name}.{i}"] = ((n_tok, *row[1:]) if name in POSITIONAL else tuple(row), str(buf.dtype))
+    return out

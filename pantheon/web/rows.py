@@ -23,9 +23,11 @@ def _graphs(engine, operator: bool) -> dict | None:
 def _attention(engine, operator: bool) -> dict | None:
     """Every attention layer runs inside the compiled device program; there is no host-softmax
     fallback path, so `host` is 0 once the forward has reached the attention layers."""
-    if not engine.registry.counters("block")["total"]:
+    programs = engine.runner.family.kv_programs
+    if not any(engine.registry.counters(p)["total"] for p in programs):
         return None
-    n = engine.spec.n_layer
+    recurrent = getattr(engine.spec, "recurrent", None)
+    n = engine.spec.n_layer if recurrent is None else sum(not r for r in recurrent)
     out = {"ondie": n, "host": 0, "total": n}
     if operator:
         out.update(gave_up=0, impossible=0, host_engagements=0, ring_alloc_failures=0)

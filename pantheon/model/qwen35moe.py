@@ -1,0 +1,293 @@
+"""Qwen3.5-MoE (llama.cpp architecture `qwen35moe`) as pure functions.
+
+A hybrid: most layers mix tokens with a Gated DeltaNet (a linear-attention recurrence with a
+per-slot state), every `full_attention_interval`-th layer with gated full attention (a KV cache),
+and every layer ends in a routed MoE plus a sigmoid-gated shared expert. The math follows SPEC.md
+of the reference data (shared/reference/qwen35moe), section numbers below refer to it.
+
+Like llama.py, a step is a chain of compiled programs: `embed`, one `attn_block` or `ssm_block`
+per layer (one executable per layer kind, shared by all layers of that kind), and `head`;
+`forward` chains them and routes each through `call(name, fn, args, static)`.
+
+Recurrent state rules (the runner relies on them):
+* a row whose first position is 0 starts a new sequence: its conv and delta-rule state are zeroed
+  before use, so a slot needs no explicit reset;
+* tokens after `logit_index[b]` are padding: they never reach row b's recurrent state (their K/V
+  writes are harmless, as nothing attends past a row's own position);
+* so logit_index must be n_valid - 1 of each row, also with all_logits.
+
+All matmuls are traced with "highest" precision: on accelerators the default (tf32/bf16) would
+flip top-2 router choices, whose smallest margin on the tiny reference model is 1.2e-4."""
+
+from __future__ import annotations
+
+from functools import partial, wraps
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pantheon.gguf.reader import GGUFFile
+from pantheon.model.layers import gqa_attention, linear, rms_norm, rope, swiglu
+from pantheon.model.numerics import Numerics, quantize_activations, scheme_for
+from pantheon.model.spec import ROPE_NEOX, HybridSpec
+from pantheon.model.state import HybridState, allocate_hybrid_state
+from pantheon.model.weights import load_tensor
+from pantheon.pallas.deltanet import gated_delta_rule_reference
+
+# ---- weights --------------------------------------------------------------------------------------
+# params key -> GGUF tensor name inside blk.N. Matrices are stored [in, out] (x @ W), experts
+# [n_expert, in, out], the conv taps [d_conv, conv_dim].
+_FFN = {"attn_norm": "attn_norm.weight", "post_norm": "post_attention_norm.weight",
+        "router": "ffn_gate_inp.weight", "exp_gate": "ffn_gate_exps.weight", "exp_up": "ffn_up_exps.weight",
+        "exp_down": "ffn_down_exps.weight", "sh_gate": "ffn_gate_shexp.weight", "sh_up": "ffn_up_shexp.weight",
+        "sh_down": "ffn_down_shexp.weight", "sh_gate_inp": "ffn_gate_inp_shexp.weight"}
+_ATTENTION = {"wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "q_norm": "attn_q_norm.weight",
+              "k_norm": "attn_k_norm.weight", "wo": "attn_output.weight"}
+_DELTANET = {"w_qkv": "attn_qkv.weight", "w_z": "attn_gate.weight", "w_beta": "ssm_beta.weight",
+             "w_alpha": "ssm_alpha.weight", "conv": "ssm_conv1d.weight", "dt_bias": "ssm_dt.bias", "a": "ssm_a",
+             "ssm_norm": "ssm_norm.weight", "w_out": "ssm_out.weight"}
+_FUSED_GATE_UP = "ffn_gate_up_exps.weight"  # optional: gate rows, then up rows
+
+
+def _layer_names(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, str]:
+    """params key -> full GGUF tensor name for layer i."""
+    names = {**_FFN, **(_DELTANET if spec.recurrent[i] else _ATTENTION)}
+    if f"blk.{i}.{_FUSED_GATE_UP}" in g.tensors:
+        names["exp_gate"] = names["exp_up"] = _FUSED_GATE_UP
+    return {k: f"blk.{i}.{n}" for k, n in names.items()}
+
+
+def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, np.ndarray]:
+    out = {}
+    for key, name in _layer_names(g, spec, i).items():
+        a = load_tensor(g, name)
+        if name.endswith(_FUSED_GATE_UP):
+            gate, up = np.split(a, 2, axis=1)
+            a = up if key == "exp_up" else gate
+        # [out, in] -> [in, out]; conv [C, d_conv] -> [d_conv, C]; experts keep their leading axis
+        out[key] = a.T if a.ndim == 2 else np.swapaxes(a, 1, 2) if a.ndim == 3 else a
+    return out
+
+
+def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None) -> dict:
+    """The params pytree for `forward`: every tensor dequantized to `dtype` (1-D ones stay f32).
+    `device` may be a Device or a Sharding."""
+    params = {"embed": load_tensor(g, "token_embd.weight"), "output_norm": load_tensor(g, "output_norm.weight"),
+              "layers": [_layer_tensors(g, spec, i) for i in range(spec.n_layer)]}
+    if not spec.tied_embeddings:
+        params["output"] = load_tensor(g, "output.weight")
+    cast = lambda a: jax.device_put(np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a), device)
+    return jax.tree_util.tree_map(cast, params)
+
+
+def numerics_for(g: GGUFFile, spec: HybridSpec, mode: str = "llamacpp") -> Numerics:
+    """Activation rounding per params key, from the tensor types of the first layer of each kind."""
+    if mode not in ("llamacpp", "exact"):
+        raise ValueError(f"unknown numerics mode {mode!r} (llamacpp or exact)")
+    sources = {}
+    for i in (spec.recurrent_layers[:1] + spec.attention_layers[:1]):
+        sources.update(_layer_names(g, spec, i))
+    sources["head"] = "token_embd.weight" if spec.tied_embeddings else "output.weight"
+    schemes = tuple((k, scheme_for(g.tensor_info(n).ggml_type)) for k, n in sorted(sources.items()))
+    return Numerics(mode, schemes)
+
+
+def allocate_state(spec: HybridSpec, n_slots: int, ctx: int, sharding=None) -> HybridState:
+    """K/V per attention layer, conv + delta-rule state per DeltaNet layer; slot n_slots is scratch."""
+    return allocate_hybrid_state(spec, n_slots, ctx, sharding=sharding)
+
+
+# ---- building blocks --------------------------------------------------------------------------------
+def _f32_dots(fn):
+    """Trace fn with every matmul at full f32 precision (see the module docstring)."""
+    @wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+    return traced
+
+
+def _l2_norm(x, eps):
+    return x * lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def _causal_conv(prev, x, taps, lengths):
+    """Depthwise causal conv over time, then silu (SPEC §4.4).
+
+    prev: [B, K-1, C] the inputs just before this chunk; x: [B, T, C]; taps: [K, C], tap K-1 hits the
+    current token; lengths: [B] valid tokens per row. Returns (silu(conv(x)) [B, T, C], the new
+    state [B, K-1, C]: the last K-1 *valid* inputs, so padding never enters it)."""
+    n_taps, t = taps.shape[0], x.shape[1]
+    window = jnp.concatenate([prev, x], axis=1)  # [B, K-1+T, C]; token t sits at row t + K-1
+    out = sum(window[:, i:i + t] * taps[i] for i in range(n_taps))
+    keep = lengths[:, None] + jnp.arange(n_taps - 1)  # rows of tokens lengths-K+1 .. lengths-1
+    return jax.nn.silu(out), jnp.take_along_axis(window, keep[..., None], axis=1)
+
+
+def _deltanet(w, conv_state, ssm_state, h, positions, slots, lengths, spec: HybridSpec, num: Numerics):
+    """Gated DeltaNet mixer (SPEC §4). h: [B, T, E]. Returns (out [B, T, E], conv_state, ssm_state)."""
+    b, t, _ = h.shape
+    nk, nv, d = spec.ssm_n_group, spec.ssm_dt_rank, spec.ssm_d_state
+    mixed = linear(h, w["w_qkv"], num.scheme("w_qkv"))  # [B, T, C]: q | k | v channels, before the conv
+    z = linear(h, w["w_z"], num.scheme("w_z")).reshape(b, t, nv, d)  # output gate
+    beta = jax.nn.sigmoid(linear(h, w["w_beta"], num.scheme("w_beta")))  # [B, T, Hv]
+    # a = -exp(A_log) < 0, so g <= 0 is a log-decay per value head and token
+    g = jax.nn.softplus(linear(h, w["w_alpha"], num.scheme("w_alpha")) + w["dt_bias"]) * w["a"]
+
+    fresh = positions[:, 0] == 0  # a new sequence starts from zero state
+    conv0 = jnp.where(fresh[:, None, None], 0.0, conv_state[slots])  # [B, K-1, C]
+    s0 = jnp.where(fresh[:, None, None, None], 0.0, ssm_state[slots])  # [B, Hv, Dk, Dv]
+    u, conv_new = _causal_conv(conv0, mixed, w["conv"], lengths)
+
+    q, k, v = jnp.split(u, [spec.key_dim, 2 * spec.key_dim], axis=-1)
+    q = _l2_norm(q.reshape(b, t, nk, d), spec.rms_eps) * d ** -0.5
+    k = _l2_norm(k.reshape(b, t, nk, d), spec.rms_eps)
+    # The converter orders value heads so that value head j reads key head j mod nk: tile, not repeat.
+    q, k = jnp.tile(q, (1, 1, nv // nk, 1)), jnp.tile(k, (1, 1, nv // nk, 1))  # [B, T, Hv, Dk]
+    o, s_new = gated_delta_rule_reference(q, k, v.reshape(b, t, nv, d), g, beta, s0, lengths)
+
+    y = rms_norm(o, w["ssm_norm"], spec.rms_eps) * jax.nn.silu(z)  # norm first, then gate
+    out = linear(y.reshape(b, t, nv * d), w["w_out"], num.scheme("w_out"))
+    return out, conv_state.at[slots].set(conv_new), ssm_state.at[slots].set(s_new)
+
+
+def _attention(w, k_cache, v_cache, h, positions, slots, spec: HybridSpec, num: Numerics, kv_len: int):
+    """Gated full attention (SPEC §3.1). h: [B, T, E]; caches [slots+1, ctx, K, D]."""
+    b, t, _ = h.shape
+    d = spec.head_dim
+    qg = linear(h, w["wq"], num.scheme("wq")).reshape(b, t, spec.n_head, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]  # per head [query | gate], not all queries then all gates
+    k = linear(h, w["wk"], num.scheme("wk")).reshape(b, t, spec.n_head_kv, d)
+    v = linear(h, w["wv"], num.scheme("wv")).reshape(b, t, spec.n_head_kv, d)
+    # IMROPE with text positions (p, p, p, 0) is plain NEOX rope on the first rope_dim dims (§3.2).
+    q = rope(rms_norm(q, w["q_norm"], spec.rms_eps), positions, spec.rope_base, spec.rope_dim, ROPE_NEOX)
+    k = rope(rms_norm(k, w["k_norm"], spec.rms_eps), positions, spec.rope_base, spec.rope_dim, ROPE_NEOX)
+
+    rows = slots[:, None]  # positions past the cache (padding of a last chunk) are dropped
+    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    keys, values = k_cache[slots, :kv_len].astype(q.dtype), v_cache[slots, :kv_len].astype(q.dtype)
+    o = gqa_attention(q, keys, values, positions) * jax.nn.sigmoid(gate)  # [B, T, H, D]
+    return linear(o.reshape(b, t, -1), w["wo"], num.scheme("wo")), k_cache, v_cache
+
+
+def _route(h, router, k: int):
+    """Softmax over all experts, top-k, renormalised (SPEC §5). h: [N, E] -> ([N, k] ids, [N, k] weights)."""
+    probs = jax.nn.softmax(h @ router, axis=-1)  # [N, X]
+    top_p, top_e = lax.top_k(probs, k)
+    return top_e, top_p / jnp.maximum(top_p.sum(-1, keepdims=True), 6.1e-5)
+
+
+def _rows_per_block(assignments: int, n_expert: int) -> int:
+    """Block height for grouped expert matmuls: about the mean rows per expert (power of two, <= 64)."""
+    mean = max(1, assignments // n_expert)
+    return min(64, 1 << (mean.bit_length() - 1))
+
+
+def _grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
+    """Every token through each of its chosen experts. x: [N, E]; experts: [N, k] ids;
+    w_gate/w_up: [X, E, F]; w_down: [X, F, E]. Returns [N, k, E].
+
+    The N*k assignments are sorted by expert and packed into blocks of `rows` rows, each block
+    owned by one expert, so a block is a dense matmul against one expert's weights and only chosen
+    experts are read (decode: rows = 1, one weight read per assignment)."""
+    n, k = experts.shape
+    n_expert, a = w_gate.shape[0], n * k
+    rows = _rows_per_block(a, n_expert)
+    n_blocks = (a + min(a, n_expert) * (rows - 1)) // rows  # static bound: each used expert adds < 1 block
+
+    flat = experts.reshape(a)
+    order = jnp.argsort(flat, stable=True)  # assignment ids grouped by expert
+    sorted_e = flat[order]
+    count = jnp.bincount(flat, length=n_expert)  # [X]
+    padded = (count + rows - 1) // rows * rows  # each expert's rows rounded up to whole blocks
+    dest = (jnp.cumsum(padded) - padded)[sorted_e] + jnp.arange(a) - (jnp.cumsum(count) - count)[sorted_e]
+    packed = jnp.zeros((n_blocks * rows, x.shape[-1]), x.dtype).at[dest].set(x[order // k])
+    # a block belongs to the expert whose packed range holds its first row (unused blocks: any)
+    owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * rows, side="right")
+    owner = jnp.minimum(owner, n_expert - 1)
+
+    def block(args):
+        xb, e = args  # [rows, E], expert id
+        return swiglu(xb, w_gate[e], w_up[e], w_down[e], schemes)
+
+    y = lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
+    return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)
+
+
+def _ffn(w, x, spec: HybridSpec, num: Numerics):
+    """x + MoE(h) + shared expert(h), h = RMSNorm(x) * post_attention_norm (SPEC §5). x: [B, T, E]."""
+    h = rms_norm(x, w["post_norm"], spec.rms_eps).reshape(-1, x.shape[-1])  # [N, E]
+    experts, weights = _route(h, w["router"], spec.n_expert_used)
+    schemes = tuple(num.scheme(key) for key in ("exp_gate", "exp_up", "exp_down"))
+    routed = jnp.einsum("nk,nke->ne", weights, _grouped_experts(h, experts, w["exp_gate"], w["exp_up"],
+                                                                 w["exp_down"], schemes))
+    schemes = tuple(num.scheme(key) for key in ("sh_gate", "sh_up", "sh_down"))
+    shared = swiglu(h, w["sh_gate"], w["sh_up"], w["sh_down"], schemes) * jax.nn.sigmoid(h @ w["sh_gate_inp"])[:, None]
+    return x + (routed + shared).reshape(x.shape)
+
+
+# ---- compiled programs ------------------------------------------------------------------------------
+@jax.jit
+def embed(table, tokens):
+    """tokens int32 [B, T] -> x [B, T, E]."""
+    return table[tokens]
+
+
+@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len"), donate_argnames=("k_cache", "v_cache"))
+@_f32_dots
+def attn_block(w, k_cache, v_cache, x, positions, slots, *, spec: HybridSpec, numerics: Numerics, kv_len: int):
+    """Full-attention layer. x: [B, T, E]; positions: int32 [B, T]; slots: int32 [B]."""
+    a, k_cache, v_cache = _attention(w, k_cache, v_cache, rms_norm(x, w["attn_norm"], spec.rms_eps), positions,
+                                     slots, spec, numerics, kv_len)
+    return _ffn(w, x + a, spec, numerics), k_cache, v_cache
+
+
+@partial(jax.jit, static_argnames=("spec", "numerics"), donate_argnames=("conv_state", "ssm_state"))
+@_f32_dots
+def ssm_block(w, conv_state, ssm_state, x, positions, slots, logit_index, *, spec: HybridSpec, numerics: Numerics):
+    """Gated DeltaNet layer. Row b's tokens after logit_index[b] are padding and leave its state alone."""
+    a, conv_state, ssm_state = _deltanet(w, conv_state, ssm_state, rms_norm(x, w["attn_norm"], spec.rms_eps),
+                                         positions, slots, logit_index + 1, spec, numerics)
+    return _ffn(w, x + a, spec, numerics), conv_state, ssm_state
+
+
+@partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
+@_f32_dots
+def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Numerics, all_logits: bool):
+    """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits)."""
+    if not all_logits:
+        x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
+    x = quantize_activations(rms_norm(x, output_norm, spec.rms_eps), numerics.scheme("head"))
+    return jnp.einsum("...i,vi->...v", x, table).astype(jnp.float32)  # table [V, E]: maybe the embedding
+
+
+def _direct(name: str, fn: Callable, args: tuple, static: dict):
+    return fn(*args, **static)
+
+
+def forward(params, state: HybridState, tokens, positions, slots, logit_index, *, spec: HybridSpec,
+            numerics: Numerics, kv_len: int, all_logits: bool = False, call: Callable = _direct):
+    """tokens, positions: int32 [B, T]; slots: int32 [B]; logit_index: int32 [B] = n_valid - 1 of each
+    row (later tokens are padding). kv_len: static number of cache positions attended, >= max valid
+    position + 1. Returns (logits [B, V], or [B, T, V] with all_logits, and the new state). The
+    state's buffers are donated: use the returned state."""
+    x = call("embed", embed, (params["embed"], tokens), {})
+    ks, vs, convs, ssms = list(state.k), list(state.v), list(state.conv), list(state.ssm)
+    ia = ir = 0  # index into the attention / DeltaNet state lists
+    for i, w in enumerate(params["layers"]):
+        if spec.recurrent[i]:
+            x, convs[ir], ssms[ir] = call("ssm_block", ssm_block, (w, convs[ir], ssms[ir], x, positions, slots,
+                                                                   logit_index), dict(spec=spec, numerics=numerics))
+            ir += 1
+        else:
+            x, ks[ia], vs[ia] = call("attn_block", attn_block, (w, ks[ia], vs[ia], x, positions, slots),
+                                     dict(spec=spec, numerics=numerics, kv_len=kv_len))
+            ia += 1
+    table = params["embed"] if spec.tied_embeddings else params["output"]
+    logits = call("head", head, (table, params["output_norm"], x, logit_index),
+                  dict(spec=spec, numerics=numerics, all_logits=all_logits))
+    return logits, HybridState(ks, vs, convs, ssms, ctx=state.ctx)

@@ -1,0 +1,437 @@
+"""Mixture-of-experts FFN with Q3_K expert weights kept quantised on the device.
+
+Shapes: E experts, N output features, K input features (a multiple of 256), nb = K / 256 Q3_K
+super-blocks per weight row, M routed rows, T tokens, D hidden size, F expert FFN size.
+
+* `Q3KPlanes` / `q3k_planes_from_blocks(raw)`: GGUF Q3_K blocks (110-byte AoS, ggml layout, see
+  shared/reference/qwen35moe/Q3_K.md) -> structure-of-arrays planes, per expert e and row n:
+      qs [E, N, nb*64] uint8  low 2 bits of the codes (the block's `qs` bytes, unchanged)
+      hm [E, N, nb*32] uint8  high bits (`hmask`, unchanged)
+      sc [E, N, nb*16] uint8  the 12 packed 6-bit scale bytes, zero-padded to 16 (power of 2)
+      d  [E, N, nb]    f16    super-block scale
+  114 device bytes per 110 GGUF bytes (+3.6%). The planes are a byte re-arrangement: putting the
+  fields back together gives the original blocks (`q3k_planes_to_blocks`), and decoding them in
+  the kernel is bit-exact with `quants.dequantize`.
+* `grouped_matmul_q3k(x, group_sizes, planes)`: rows of x sorted by expert, group e of
+  group_sizes[e] rows -> x_g @ W_e^T. A Pallas kernel that decodes Q3_K in registers.
+* `grouped_matmul_q3k_reference`: dequantize (quants.dequantize) + `jax.lax.ragged_dot`.
+* `moe_ffn(x, router_logits, top_k, gate, up, down, impl=...)`: SPEC section 5 steps 1-4.
+* `moe_ffn_reference`: the same, computed per token with gathered dense expert weights.
+
+Kernel layout. Rows are padded per expert to a multiple of the row tile `block_m`, so every row
+tile belongs to one expert; a tile -> expert map (-1 for unused tiles) is an ordinary kernel input
+(Triton has no scalar prefetch). Grid (row tiles, N / block_n); each program loops over the K
+super-blocks, decodes the [block_n, 256] weights of one super-block in registers (broadcast shifts
+and reshapes, no gathers) and accumulates x[:, block] . W^T in float32. Unused tiles run zero iterations and write zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pantheon.gguf.quants import dequantize
+from pantheon.model.numerics import NONE, quantize_activations
+from pantheon.pallas.dispatch import triton_params
+
+QK = 256  # weights per Q3_K super-block
+BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q3_K][1]  # 110
+PLANE_BYTES = 64 + 32 + 16 + 2  # qs + hm + padded scales + d per super-block on the device
+ROUTER_SUM_MIN = 6.1e-5  # llama.cpp clamps the renormalisation sum at >= this
+IMPLS = ("pallas", "interpret", "reference")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Q3KPlanes:
+    """Q3_K expert weights [E, N, K] as device planes (see the module docstring).
+
+    qs: uint8 [E, N, nb*64]; hm: uint8 [E, N, nb*32]; sc: uint8 [E, N, nb*16]; d: float16 [E, N, nb].
+    A pytree: jit/device_put/tree_map see the four arrays."""
+
+    qs: jax.Array
+    hm: jax.Array
+    sc: jax.Array
+    d: jax.Array
+
+    @property
+    def n_experts(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def n_out(self) -> int:
+        return self.qs.shape[1]
+
+    @property
+    def n_blocks(self) -> int:
+        return self.d.shape[2]
+
+    @property
+    def n_in(self) -> int:
+        return self.n_blocks * QK
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K) of the dequantised weight."""
+        return (self.n_experts, self.n_out, self.n_in)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the four planes."""
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in (self.qs, self.hm, self.sc, self.d))
+
+    @property
+    def gguf_nbytes(self) -> int:
+        """Bytes the same weights take as GGUF Q3_K blocks."""
+        e, n, _ = self.shape
+        return e * n * self.n_blocks * BLOCK_BYTES
+
+    def validate(self, what: str = "Q3KPlanes"):
+        e, n, nb = self.d.shape if self.d.ndim == 3 else (None, None, None)
+        want = {"qs": ((e, n, nb * 64) if e else None, np.uint8), "hm": ((e, n, nb * 32) if e else None, np.uint8),
+                "sc": ((e, n, nb * 16) if e else None, np.uint8), "d": ((e, n, nb) if e else None, np.float16)}
+        for name, (shape, dtype) in want.items():
+            a = getattr(self, name)
+            if shape is None or tuple(a.shape) != shape or np.dtype(a.dtype) != dtype:
+                raise ValueError(f"{what}: plane {name} is {np.dtype(a.dtype).name}{tuple(a.shape)}, expected "
+                                 f"{np.dtype(dtype).name}{shape if shape else '[E, N, ...]'} (d: float16 [E, N, nb])")
+        if nb == 0 or n == 0 or e == 0:
+            raise ValueError(f"{what}: empty weight {self.shape}")
+
+
+def q3k_planes_from_blocks(raw) -> Q3KPlanes:
+    """GGUF Q3_K tensor data -> Q3KPlanes (numpy arrays; `jax.device_put` the result).
+
+    raw: uint8 [E, N, row_bytes], row_bytes = nb * 110, as `GGUFFile.tensor_data` returns an expert
+    tensor (numpy view (n_expert, out, in_bytes)). A 2-D [N, row_bytes] weight gives E = 1."""
+    raw = np.asarray(raw)
+    if raw.ndim == 2:
+        raw = raw[None]
+    if raw.dtype != np.uint8 or raw.ndim != 3 or raw.shape[-1] == 0 or raw.shape[-1] % BLOCK_BYTES:
+        raise ValueError(f"q3k_planes_from_blocks: expected uint8 [E, N, nb*{BLOCK_BYTES}] Q3_K rows, "
+                         f"got {raw.dtype}{raw.shape}")
+    e, n, row = raw.shape
+    nb = row // BLOCK_BYTES
+    b = raw.reshape(e, n, nb, BLOCK_BYTES)
+    sc = np.zeros((e, n, nb, 16), np.uint8)
+    sc[..., :12] = b[..., 96:108]
+    d = np.ascontiguousarray(b[..., 108:110]).view(np.float16)[..., 0]
+    return Q3KPlanes(qs=np.ascontiguousarray(b[..., 32:96]).reshape(e, n, nb * 64),
+                     hm=np.ascontiguousarray(b[..., 0:32]).reshape(e, n, nb * 32),
+                     sc=sc.reshape(e, n, nb * 16), d=np.ascontiguousarray(d))
+
+
+def q3k_planes_to_blocks(planes: Q3KPlanes) -> jax.Array:
+    """Inverse of `q3k_planes_from_blocks` (jnp, jit-able): uint8 [E, N, nb*110] GGUF Q3_K rows."""
+    e, n, _ = planes.shape
+    nb = planes.n_blocks
+    d = lax.bitcast_convert_type(jnp.asarray(planes.d), jnp.uint16)
+    d_bytes = jnp.stack([(d & 0xFF).astype(jnp.uint8), (d >> 8).astype(jnp.uint8)], axis=-1)
+    blocks = jnp.concatenate([jnp.asarray(planes.hm).reshape(e, n, nb, 32), jnp.asarray(planes.qs).reshape(e, n, nb, 64),
+                              jnp.asarray(planes.sc).reshape(e, n, nb, 16)[..., :12], d_bytes], axis=-1)
+    return blocks.reshape(e, n, nb * BLOCK_BYTES)
+
+
+@jax.jit
+def dequantize_planes(planes: Q3KPlanes) -> jax.Array:
+    """float32 [E, N, K] weights via `quants.dequantize` of the reassembled GGUF blocks."""
+    return dequantize(q3k_planes_to_blocks(planes), GGMLQuantizationType.Q3_K)
+
+
+# ---- the kernel -------------------------------------------------------------------------------------
+def _gmm_kernel(tile_ref, x_ref, qs_ref, hm_ref, sc_ref, d_ref, o_ref, *, n_blocks: int, n_experts: int):
+    """One (row tile, column tile): tile_ref [1] int32 expert (-1: unused); x_ref [bm, K];
+    qs/hm/sc/d refs [E, bn, ...] (every expert's rows of this column tile); o_ref [bm, bn].
+
+    Per super-block the [bn, 256] weights are decoded with broadcasts and reshapes in the natural
+    weight order n = 128*half + 32*j + l (Q3_K.md), then one [bm, 256] x [256, bn] dot."""
+    expert = tile_ref[0]
+    e = jnp.clip(expert, 0, n_experts - 1)
+    trips = jnp.where(expert >= 0, n_blocks, 0)
+    bm = x_ref.shape[0]
+    bn = o_ref.shape[1]
+    cdt = x_ref.dtype
+    prec = lax.Precision.HIGHEST if jnp.dtype(cdt) == jnp.float32 else lax.Precision.DEFAULT
+    iota = partial(lax.broadcasted_iota, jnp.int32)
+    qs_shift = 2 * iota((1, 1, 4, 1), 2)  # low 2 bits of weight (half, j, l): qs[32*half + l] >> 2j
+    hm_shift = 4 * iota((1, 2, 4, 1), 1) + iota((1, 2, 4, 1), 2)  # high bit: hm[l] >> (4*half + j)
+    lo_shift = 4 * iota((1, 2, 8), 1)  # scale s low nibble: sc[s % 8] >> 4*(s // 8)
+    hi_shift = 2 * iota((1, 4, 4), 1)  # scale s high 2 bits: sc[8 + s % 4] >> 2*(s // 4)
+
+    def body(kb, acc):
+        qs = qs_ref[e, :, pl.ds(kb * 64, 64)].astype(jnp.int32).reshape(bn, 2, 1, 32)
+        hm = hm_ref[e, :, pl.ds(kb * 32, 32)].astype(jnp.int32).reshape(bn, 1, 1, 32)
+        q = ((qs >> qs_shift) & 3) + 4 * ((hm >> hm_shift) & 1) - 4  # [bn, 2, 4, 32], -4..3
+        lo = sc_ref[e, :, pl.ds(kb * 16, 8)].astype(jnp.int32).reshape(bn, 1, 8)
+        hi = sc_ref[e, :, pl.ds(kb * 16 + 8, 4)].astype(jnp.int32).reshape(bn, 1, 4)
+        scale = (((lo >> lo_shift) & 15).reshape(bn, 16) | (((hi >> hi_shift) & 3).reshape(bn, 16) << 4)) - 32
+        d = d_ref[e, :, pl.ds(kb, 1)].astype(jnp.float32)  # [bn, 1]
+        dl = d * scale.astype(jnp.float32)  # ggml order: d * (S - 32) first, then * q; exact in f32
+        w = (dl.reshape(bn, 16, 1) * q.reshape(bn, 16, 16).astype(jnp.float32)).reshape(bn, QK)
+        xb = x_ref[:, pl.ds(kb * QK, QK)]
+        return acc + lax.dot_general(xb, w.astype(cdt), (((1,), (1,)), ((), ())), precision=prec,
+                                     preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, trips, body, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _pick_block_n(n: int, block_n: int) -> int:
+    bn = min(block_n, 1 << (n.bit_length() - 1))
+    while bn >= 16 and n % bn:
+        bn //= 2
+    if bn < 16:
+        raise ValueError(f"grouped_matmul_q3k: output size {n} must be a multiple of 16")
+    return bn
+
+
+def _gmm_padded(x_pad, tile_expert, planes: Q3KPlanes, *, block_n: int, interpret: bool, out_dtype,
+                num_warps: int, num_stages: int):
+    """x_pad [n_tiles * bm, K] (tile i all expert tile_expert[i]) -> [n_tiles * bm, N]."""
+    e, n, k = planes.shape
+    if planes.qs.size >= 2 ** 31 or x_pad.size >= 2 ** 31:  # Triton's int32 element offsets
+        raise ValueError(f"grouped_matmul_q3k: weights {planes.shape} or rows {x_pad.shape} exceed 2**31 elements")
+    n_tiles = tile_expert.shape[0]
+    bm = x_pad.shape[0] // n_tiles
+    bn = _pick_block_n(n, block_n)
+    nb = planes.n_blocks
+    kernel = partial(_gmm_kernel, n_blocks=nb, n_experts=e)
+    plane_spec = lambda width: pl.BlockSpec((e, bn, width), lambda i, j: (0, j, 0))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=(n_tiles, n // bn),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)),
+                  pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+                  plane_spec(nb * 64), plane_spec(nb * 32), plane_spec(nb * 16), plane_spec(nb)],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((x_pad.shape[0], n), out_dtype),
+        compiler_params=None if interpret else triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="pantheon_grouped_matmul_q3k",
+    )(tile_expert, x_pad, planes.qs, planes.hm, planes.sc, planes.d)
+
+
+def _row_layout(group_sizes, m: int, bm: int):
+    """Padded row layout for rows sorted by expert.
+
+    Returns (dest [m] int32: padded row of each sorted row, n_tiles*bm for rows past
+    sum(group_sizes); tile_expert [n_tiles] int32, -1 for unused tiles; n_tiles static)."""
+    e = group_sizes.shape[0]
+    n_tiles = pl.cdiv(m, bm) + min(e, m)  # each non-empty group wastes < one tile
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.cumsum(sizes)
+    padded = (sizes + bm - 1) // bm * bm
+    pends = jnp.cumsum(padded)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    grp = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # group of each sorted row
+    g = jnp.minimum(grp, e - 1)
+    dest = (pends[g] - padded[g]) + (rows - (ends[g] - sizes[g]))
+    dest = jnp.where((grp < e) & (dest < n_tiles * bm), dest, n_tiles * bm)
+    tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * bm
+    te = jnp.searchsorted(pends, tile_start, side="right").astype(jnp.int32)
+    tile_expert = jnp.where(te < e, te, -1)
+    return dest, tile_expert, n_tiles
+
+
+def default_block_m(m: int, n_experts: int) -> int:
+    """Row tile: rows per expert on average, as a power of 2 in [16, 64]."""
+    per = max(1, m // max(n_experts, 1))
+    return int(min(64, max(16, 1 << (per - 1).bit_length())))
+
+
+def _check_gmm_args(x, group_sizes, planes, what):
+    if not isinstance(planes, Q3KPlanes):
+        raise ValueError(f"{what}: weights must be Q3KPlanes, got {type(planes).__name__}")
+    planes.validate(what)
+    e, n, k = planes.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"{what}: x must be [M, {k}] for weights {planes.shape} (E, N, K), got {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{what}: x must be floating point, got {x.dtype}")
+    if tuple(group_sizes.shape) != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{what}: group_sizes must be integer [{e}], got {group_sizes.dtype}{tuple(group_sizes.shape)}")
+
+
+@partial(jax.jit, static_argnames=("block_m", "block_n", "interpret", "num_warps", "num_stages"))
+def grouped_matmul_q3k(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes, *, block_m: int | None = None,
+                       block_n: int = 64, interpret: bool = False, num_warps: int = 4,
+                       num_stages: int = 2) -> jax.Array:
+    """Grouped matmul against Q3_K expert weights, decoded inside a Pallas kernel.
+
+    x: [M, K] float rows sorted by expert; group_sizes: int [E], rows group e = the next
+    group_sizes[e] rows; planes: the weights W [E, N, K]. Returns [M, N] in x's dtype with
+    out[rows of e] = x[rows of e] @ W_e^T (float32 accumulation; float32 x uses exact float32
+    dots, 16-bit x multiplies weights rounded to x's dtype). Rows past sum(group_sizes) are 0.
+    block_m: row tile (power of 2 >= 16; default from M/E); block_n: column tile (power of 2,
+    >= 16, reduced until it divides N)."""
+    _check_gmm_args(x, group_sizes, planes, "grouped_matmul_q3k")
+    m = x.shape[0]
+    bm = default_block_m(m, planes.n_experts) if block_m is None else block_m
+    if not (bm >= 16 and bm & (bm - 1) == 0):
+        raise ValueError(f"grouped_matmul_q3k: block_m={bm} must be a power of 2 >= 16")
+    if m == 0:
+        return jnp.zeros((0, planes.n_out), x.dtype)
+    dest, tile_expert, n_tiles = _row_layout(group_sizes, m, bm)
+    x_pad = jnp.zeros((n_tiles * bm, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+    y = _gmm_padded(x_pad, tile_expert, planes, block_n=block_n, interpret=interpret, out_dtype=x.dtype,
+                    num_warps=num_warps, num_stages=num_stages)
+    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
+
+
+@jax.jit
+def grouped_matmul_q3k_reference(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes) -> jax.Array:
+    """`grouped_matmul_q3k` in plain jnp: dequantize every expert (quants.dequantize, float32
+    [E, N, K] — large for many experts) and `jax.lax.ragged_dot`. Returns [M, N] in x's dtype."""
+    _check_gmm_args(x, group_sizes, planes, "grouped_matmul_q3k_reference")
+    w = dequantize_planes(planes)  # [E, N, K]
+    y = lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(w, 1, 2), group_sizes.astype(jnp.int32),
+                       precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+# ---- the MoE FFN ------------------------------------------------------------------------------------
+def route(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """SPEC section 5 steps 1-3: softmax over all experts (float32), top-k, renormalise with the
+    sum clamped at >= 6.1e-5. router_logits [T, E] -> (weights float32 [T, k], experts int32 [T, k])."""
+    p = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    w, idx = lax.top_k(p, top_k)
+    w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), ROUTER_SUM_MIN)
+    return w, idx.astype(jnp.int32)
+
+
+def _schemes(schemes) -> tuple[str, str, str]:
+    if schemes is None:
+        return (NONE, NONE, NONE)
+    schemes = tuple(schemes)
+    if len(schemes) != 3:
+        raise ValueError(f"moe_ffn: schemes must be (gate, up, down) activation schemes, got {schemes!r}")
+    return schemes
+
+
+def _check_moe_args(x, router_logits, top_k, gate, up, down, what):
+    for name, p in (("gate", gate), ("up", up), ("down", down)):
+        if p is not None and not isinstance(p, Q3KPlanes):
+            raise ValueError(f"{what}: {name} must be Q3KPlanes, got {type(p).__name__}")
+    if x.ndim != 2 or router_logits.ndim != 2 or router_logits.shape[0] != x.shape[0]:
+        raise ValueError(f"{what}: x must be [T, D] and router_logits [T, E]; got x{tuple(x.shape)}, "
+                         f"router_logits{tuple(router_logits.shape)}")
+    t, dm = x.shape
+    e = router_logits.shape[1]
+    if not 1 <= top_k <= e:
+        raise ValueError(f"{what}: top_k={top_k} must be in [1, {e}]")
+    for p in (gate, up, down):
+        if p is not None:
+            p.validate(what)
+    f2 = gate.n_out if up is None else None
+    if up is not None and gate.shape != up.shape:
+        raise ValueError(f"{what}: gate {gate.shape} and up {up.shape} differ")
+    if up is None and f2 % 2:
+        raise ValueError(f"{what}: fused gate_up has an odd output size {f2}")
+    f = gate.n_out if up is not None else f2 // 2
+    if gate.shape[0] != e or gate.shape[2] != dm:
+        raise ValueError(f"{what}: gate weights {gate.shape} (E, N, K) do not match {e} experts and hidden {dm}")
+    if down.shape != (e, dm, f):
+        raise ValueError(f"{what}: down weights {down.shape} (E, N, K) must be {(e, dm, f)}")
+    return t, dm, e, f
+
+
+@partial(jax.jit, static_argnames=("top_k", "impl", "schemes", "block_m", "block_n"))
+def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes, up: Q3KPlanes | None,
+            down: Q3KPlanes, *, impl: str = "reference", schemes: tuple[str, str, str] | None = None,
+            block_m: int | None = None, block_n: int = 64) -> jax.Array:
+    """Routed experts of a qwen35moe layer (SPEC section 5 steps 1-4; no shared expert).
+
+    x: [T, D] (the post-attention-normed hidden state); router_logits: [T, E] (ffn_gate_inp . x);
+    gate, up: Q3KPlanes [E, F, D]; or up=None with gate the fused ffn_gate_up_exps [E, 2F, D] (first
+    F rows gate, next F up); down: Q3KPlanes [E, D, F]. Returns [T, D] in x's dtype:
+    sum over the top_k experts of w_e * down_e(silu(gate_e x) * up_e x).
+    schemes: activation rounding before the gate, up and down matmuls (pantheon.model.numerics,
+    e.g. ("q8_k",) * 3 to follow llama.cpp's CPU arithmetic; default none). Rounding is per row,
+    so it is applied before rows are gathered; padded rows stay zero.
+
+    The T*k (token, expert) pairs are sorted by expert; impl "pallas"/"interpret" scatters them into
+    the kernel's padded row layout once and runs the three grouped Q3_K matmuls on it, "reference"
+    runs `grouped_matmul_q3k_reference` on the sorted rows. Results are summed back per token with
+    the routing weights."""
+    if impl not in IMPLS:
+        raise ValueError(f"moe_ffn: impl must be one of {IMPLS}, got {impl!r}")
+    t, dm, e, f = _check_moe_args(x, router_logits, top_k, gate, up, down, "moe_ffn")
+    weights, experts = route(router_logits, top_k)
+    flat_e = experts.reshape(-1)  # [T*k], pair i = (token i // k, expert flat_e[i])
+    order = jnp.argsort(flat_e, stable=True)
+    tok = (order // top_k).astype(jnp.int32)  # token of each sorted pair
+    wsorted = weights.reshape(-1)[order]
+    sizes = jnp.zeros((e,), jnp.int32).at[flat_e].add(1)
+    m = t * top_k
+    cdt = x.dtype
+    s_gate, s_up, s_down = _schemes(schemes)
+    xg = quantize_activations(x, s_gate)
+    xu = xg if up is None or s_up == s_gate else quantize_activations(x, s_up)
+
+    def swiglu_rows(g, u):
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cdt)
+        return quantize_activations(h, s_down)
+
+    if impl == "reference":
+        if up is None:
+            gu = grouped_matmul_q3k_reference(xg[tok], sizes, gate)
+            g, u = gu[:, :f], gu[:, f:]
+        else:
+            g = grouped_matmul_q3k_reference(xg[tok], sizes, gate)
+            u = grouped_matmul_q3k_reference(xu[tok], sizes, up)
+        y = grouped_matmul_q3k_reference(swiglu_rows(g, u), sizes, down)
+    else:
+        interpret = impl == "interpret"
+        bm = default_block_m(m, e) if block_m is None else block_m
+        dest, tile_expert, n_tiles = _row_layout(sizes, m, bm)
+        rows = n_tiles * bm
+
+        def padded(a):  # sorted pairs' rows of a, in the kernel's padded layout (padding rows 0)
+            return jnp.zeros((rows, dm), cdt).at[dest].set(a[tok], mode="drop")
+
+        mm = partial(_gmm_padded, tile_expert=tile_expert, block_n=block_n, interpret=interpret,
+                     out_dtype=cdt, num_warps=4, num_stages=2)
+        xg_pad = padded(xg)
+        if up is None:
+            gu = mm(xg_pad, planes=gate)
+            g, u = gu[:, :f], gu[:, f:]
+        else:
+            g = mm(xg_pad, planes=gate)
+            u = mm(xg_pad if xu is xg else padded(xu), planes=up)
+        y = jnp.take(mm(swiglu_rows(g, u), planes=down), dest, axis=0, mode="fill", fill_value=0)
+    out = jnp.zeros((t, dm), jnp.float32).at[tok].add(y.astype(jnp.float32) * wsorted[:, None])
+    return out.astype(x.dtype)
+
+
+@partial(jax.jit, static_argnames=("top_k", "schemes"))
+def moe_ffn_reference(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
+                      up: Q3KPlanes | None, down: Q3KPlanes, schemes: tuple[str, str, str] | None = None) -> jax.Array:
+    """Dense, independent `moe_ffn` for tests: per token, argsort the softmax descending, take k,
+    renormalise, gather the k dequantised expert matrices and apply SwiGLU with einsums (float32).
+    Memory is T*k full expert matrices: test sizes only."""
+    t, dm, e, f = _check_moe_args(x, router_logits, top_k, gate, up, down, "moe_ffn_reference")
+    p = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    idx = jnp.argsort(-p, axis=-1, stable=True)[:, :top_k]  # [T, k]
+    w = jnp.take_along_axis(p, idx, axis=-1)
+    w = w / jnp.maximum(w.sum(-1, keepdims=True), ROUTER_SUM_MIN)
+    wg = dequantize_planes(gate)
+    if up is None:
+        wg, wu = wg[:, :f], wg[:, f:]
+    else:
+        wu = dequantize_planes(up)
+    wd = dequantize_planes(down)
+    s_gate, s_up, s_down = _schemes(schemes)
+    xf = x.astype(jnp.float32)
+    hp = lax.Precision.HIGHEST
+    g = jnp.einsum("td,tkfd->tkf", quantize_activations(xf, s_gate), wg[idx], precision=hp)
+    u = jnp.einsum("td,tkfd->tkf", quantize_activations(xf, s_up), wu[idx], precision=hp)
+    h = quantize_activations(jax.nn.silu(g) * u, s_down)
+    y = jnp.einsum("tkf,tkdf->tkd", h, wd[idx], precision=hp)
+    return jnp.einsum("tk,tkd->td", w, y, precision=hp).astype(x.dtype)

@@ -1,0 +1,352 @@
+"""ToolCallParser / parse_complete on hand-written model outputs, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pantheon.text.tools import (ContentDelta, ToolCallArgs, ToolCallParser, ToolCallStart, coerce_text,
+                                 coerce_value, parse_complete)
+from tests.text.tools.helpers import TOOLS
+
+QWEN_TWO_CALLS = (
+    "I'll check the forecast and save a note.\n\n"
+    "<tool_call>\n<function=get_weather>\n<parameter=location>\nParis, France\n</parameter>\n"
+    "<parameter=unit>\ncelsius\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=write_file>\n<parameter=path>\nnotes/todo.py\n</parameter>\n"
+    "<parameter=content>\ndef main():\n    if a < b and c > d:\n        print(\"<ok>\")\n\n</parameter>\n"
+    "<parameter=overwrite>\ntrue\n</parameter>\n</function>\n</tool_call>"
+)
+QWEN_TWO_CALLS_ARGS = [
+    ("get_weather", {"location": "Paris, France", "unit": "celsius", "days": 3}),
+    ("write_file", {"path": "notes/todo.py",
+                    "content": "def main():\n    if a < b and c > d:\n        print(\"<ok>\")\n",
+                    "overwrite": True}),
+]
+
+MINICPM_TWO_CALLS = (
+    "Let me look that up.\n"
+    '<function name="get_weather"><param name="location">Paris, France</param>'
+    '<param name="days">3</param></function>'
+    '<function name="write_file"><param name="path">notes/todo.py</param>'
+    '<param name="content"><![CDATA[def main():\n    if a < b and c > d:\n        print("<ok>")\n]]></param>'
+    '<param name="overwrite">true</param></function>'
+)
+MINICPM_TWO_CALLS_ARGS = [
+    ("get_weather", {"location": "Paris, France", "days": 3}),
+    ("write_file", {"path": "notes/todo.py",
+                    "content": "def main():\n    if a < b and c > d:\n        print(\"<ok>\")\n",
+                    "overwrite": True}),
+]
+
+JSON_TWO_CALLS = (
+    "Let me look that up.\n"
+    '{"name": "get_weather", "arguments": {"location": "Paris, France", "days": 3}}\n'
+    '{"name": "search", "arguments": {"query": "louvre opening hours", "limit": 5, '
+    '"tags": ["museum", "paris"], "filters": {"lang": "fr"}}}\n'
+)
+JSON_TWO_CALLS_ARGS = [
+    ("get_weather", {"location": "Paris, France", "days": 3}),
+    ("search", {"query": "louvre opening hours", "limit": 5, "tags": ["museum", "paris"],
+                "filters": {"lang": "fr"}}),
+]
+
+CASES = {
+    "qwen_xml": (QWEN_TWO_CALLS, "I'll check the forecast and save a note.", QWEN_TWO_CALLS_ARGS),
+    "minicpm_xml": (MINICPM_TWO_CALLS, "Let me look that up.", MINICPM_TWO_CALLS_ARGS),
+    "json": (JSON_TWO_CALLS, "Let me look that up.", JSON_TWO_CALLS_ARGS),
+}
+
+
+def _names_args(calls):
+    return [(c.name, c.arguments) for c in calls]
+
+
+def _stream(dialect, text, pieces, **kw):
+    """Feed pieces; return (content, calls, errors, events) and check the streaming invariants."""
+    p = ToolCallParser(dialect, TOOLS, **kw)
+    events = []
+    for piece in pieces:
+        events += p.push(piece).events
+    tail, errors = p.finish()
+    events += tail.events
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    args: dict[int, str] = {}
+    starts = {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            assert e.index not in starts
+            starts[e.index] = e
+            args[e.index] = ""
+        elif isinstance(e, ToolCallArgs):
+            assert e.index in starts, "arguments before the call opened"
+            args[e.index] += e.fragment
+    for c in p.calls:
+        assert starts[c.index].name == c.name and starts[c.index].id == c.id
+        assert json.loads(args[c.index]) == c.arguments
+    return content, p.calls, errors, events
+
+
+def _chunkings(text, seed):
+    rng = random.Random(seed)
+    out, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 12)
+        out.append(text[i:i + n])
+        i += n
+    return out
+
+
+@pytest.mark.parametrize("dialect", sorted(CASES))
+def test_complete_output(dialect):
+    text, content, expected = CASES[dialect]
+    got_content, calls, errors = parse_complete(text, dialect, TOOLS)
+    assert errors == []
+    assert got_content == content
+    assert _names_args(calls) == expected
+    assert [c.index for c in calls] == [0, 1]
+    for c in calls:
+        assert c.id.startswith("call_") and len(c.id) == 29
+        d = c.to_dict()
+        assert d["type"] == "function" and json.loads(d["function"]["arguments"]) == c.arguments
+
+
+@pytest.mark.parametrize("dialect", sorted(CASES))
+@pytest.mark.parametrize("chunking", ["chars", "random0", "random1", "random2"])
+def test_streamed_output_matches_complete(dialect, chunking):
+    text, content, expected = CASES[dialect]
+    pieces = list(text) if chunking == "chars" else _chunkings(text, int(chunking[-1]))
+    got, calls, errors, events = _stream(dialect, text, pieces)
+    assert errors == [] and got == content
+    assert _names_args(calls) == expected
+    for e in events:  # no call syntax ever leaks into content
+        if isinstance(e, ContentDelta):
+            assert "<" not in e.text and "{" not in e.text
+
+
+@pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml"])
+def test_incremental_mode_streams_each_argument(dialect):
+    text, content, expected = CASES[dialect]
+    got, calls, errors, events = _stream(dialect, text, list(text), incremental=True)
+    assert errors == [] and got == content and _names_args(calls) == expected
+    frags = [e for e in events if isinstance(e, ToolCallArgs) and e.index == 0]
+    assert len(frags) == len(expected[0][1]) + 1  # one per argument, then the closing brace
+    # the call opens before its first argument is complete
+    first_start = next(i for i, e in enumerate(events) if isinstance(e, ToolCallStart))
+    first_args = next(i for i, e in enumerate(events) if isinstance(e, ToolCallArgs))
+    assert first_start < first_args
+
+
+def test_partial_opener_is_held_back():
+    p = ToolCallParser("qwen_xml", TOOLS)
+    assert p.push("Hello <tool").content == "Hello"
+    assert p.push("box> is a tag").content == " <toolbox> is a tag"
+    ev, errors = p.finish()
+    assert ev.content == "" and errors == []
+
+
+def test_plain_answer_is_untouched():
+    text = "Sure! Here is an example:\n\n```python\nx = {'a': 1}\n```\n\nThat's all.\n"
+    for dialect in CASES:
+        content, calls, errors = parse_complete(text, dialect, TOOLS)
+        assert (content, calls, errors) == (text, [], [])
+
+
+def test_pure_call_has_null_content():
+    text = "\n<tool_call>\n<function=search>\n<parameter=query>\nweather\n</parameter>\n</function>\n</tool_call>\n"
+    content, calls, errors = parse_complete(text, "qwen_xml", TOOLS)
+    assert content is None and _names_args(calls) == [("search", {"query": "weather"})]
+
+
+@pytest.mark.parametrize("dialect", sorted(CASES))
+def test_think_block_before_calls(dialect):
+    text, content, expected = CASES[dialect]
+    drafted = {"qwen_xml": "<tool_call>\n<function=nope>", "minicpm_xml": '<function name="nope">',
+               "json": '\n{"name": "nope", "arguments": {}}\n'}[dialect]
+    think = f"<think>\nThe user wants two things. Maybe {drafted} first?\n</think>\n\n"
+    got, calls, errors = parse_complete(think + text, dialect, TOOLS)
+    assert errors == [] and _names_args(calls) == expected
+    assert got.startswith("<think>") and got.endswith(content)
+    # the prompt already opened the block
+    got, calls, errors = parse_complete(think[len("<think>"):] + text, dialect, TOOLS, start_in_reasoning=True)
+    assert errors == [] and _names_args(calls) == expected
+
+
+def test_unfinished_call_is_dropped_and_reported():
+    text = QWEN_TWO_CALLS[: QWEN_TWO_CALLS.index("def main")] + "def main():\n    pa"
+    content, calls, errors = parse_complete(text, "qwen_xml", TOOLS)
+    assert _names_args(calls) == QWEN_TWO_CALLS_ARGS[:1]
+    assert [e.to_dict() for e in errors] == [{
+        "code": "unfinished_call", "function": "write_file", "parameter": "content",
+        "message": "the output ended inside the value of 'content'"}]
+    # cut right after the opener
+    content, calls, errors = parse_complete("Checking.\n<tool_call>\n<funct", "qwen_xml", TOOLS)
+    assert content == "Checking." and calls == [] and [e.code for e in errors] == ["unfinished_call"]
+
+
+@pytest.mark.parametrize("dialect,text", [
+    ("minicpm_xml", '<function name="get_weather"><param name="location">Paris</param><param name="da'),
+    ("json", '{"name": "get_weather", "arguments": {"location": "Par'),
+])
+def test_unfinished_other_dialects(dialect, text):
+    content, calls, errors = parse_complete(text, dialect, TOOLS)
+    assert content is None and calls == [] and [e.code for e in errors] == ["unfinished_call"]
+    assert errors[0].function in ("get_weather", None)
+
+
+def test_malformed_call_then_good_call():
+    text = ("<tool_call>\n<function=get_weather>\nlocation: Paris\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=search>\n<parameter=query>\nparis\n</parameter>\n</function>\n</tool_call>")
+    content, calls, errors = parse_complete(text, "qwen_xml", TOOLS)
+    assert _names_args(calls) == [("search", {"query": "paris"})]
+    assert calls[0].index == 0
+    assert [(e.code, e.function) for e in errors] == [("malformed_call", "get_weather")]
+
+
+@pytest.mark.parametrize("dialect,text", [
+    ("qwen_xml", "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"),
+    ("minicpm_xml", '<function name="function-name"><param name="param-name">param-value</param></function>'),
+    ("json", '{"name": "get_time", "arguments": {"tz": "UTC"}}'),
+])
+def test_unknown_function_is_an_error_not_a_call(dialect, text):
+    content, calls, errors = parse_complete(text, dialect, TOOLS)
+    assert content is None and calls == []
+    assert [e.code for e in errors] == ["unknown_function"]
+
+
+def _qwen(fn, **params):
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={fn}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("params,expected", [
+    ({"location": "Oslo", "days": "3.0"}, {"location": "Oslo", "days": 3}),
+    ({"location": " Oslo ", "days": " 7 "}, {"location": " Oslo ", "days": 7}),
+    ({"location": "42", "days": "2"}, {"location": "42", "days": 2}),
+])
+def test_xml_values_are_typed(params, expected):
+    content, calls, errors = parse_complete(_qwen("get_weather", **params), "qwen_xml", TOOLS)
+    assert errors == [] and calls[0].arguments == expected
+
+
+def test_xml_values_all_types():
+    text = _qwen("search", query="cheap flights\nto Oslo", limit="10", score="-1.5e2", tags='["a", "b"]',
+                 filters="{'lang': 'en', 'since': 2020}")
+    _, calls, errors = parse_complete(text, "qwen_xml", TOOLS)
+    assert errors == []
+    assert calls[0].arguments == {"query": "cheap flights\nto Oslo", "limit": 10, "score": -150.0,
+                                  "tags": ["a", "b"], "filters": {"lang": "en", "since": 2020}}
+    _, calls, errors = parse_complete(_qwen("write_file", path="a", content="", overwrite="False", mode="null"),
+                                      "qwen_xml", TOOLS)
+    assert errors == [] and calls[0].arguments == {"path": "a", "content": "", "overwrite": False, "mode": None}
+
+
+@pytest.mark.parametrize("text,code,param", [
+    (_qwen("get_weather", location="Oslo", days="tomorrow"), "invalid_argument", "days"),
+    (_qwen("get_weather", location="Oslo"), "missing_argument", "days"),
+    (_qwen("write_file", path="a", content="b", owner="me"), "unknown_argument", "owner"),
+    (_qwen("search", query="x", tags="a, b"), "invalid_argument", "tags"),
+    (_qwen("write_file", path="a", content="b", overwrite="yes"), "invalid_argument", "overwrite"),
+])
+def test_argument_errors(text, code, param):
+    content, calls, errors = parse_complete(text, "qwen_xml", TOOLS)
+    assert calls == [] and content is None
+    assert [(e.code, e.parameter) for e in errors] == [(code, param)]
+    assert errors[0].message
+
+
+def test_incremental_reports_index_of_announced_call():
+    p = ToolCallParser("qwen_xml", TOOLS, incremental=True)
+    ev = p.push(_qwen("get_weather", location="Oslo", days="tomorrow"))
+    starts = [e for e in ev.events if isinstance(e, ToolCallStart)]
+    assert [s.name for s in starts] == ["get_weather"]
+    _, errors = p.finish()
+    assert p.calls == [] and [(e.code, e.index) for e in errors] == [("invalid_argument", 0)]
+    # an unknown function is never announced
+    p = ToolCallParser("qwen_xml", TOOLS, incremental=True)
+    ev = p.push(_qwen("nope", a="1"))
+    assert ev.tool_events == []
+    assert [e.code for e in p.finish()[1]] == ["unknown_function"]
+
+
+def test_qwen_lenient_forms():
+    # bare <function=...> without the wrapper, a missing </parameter>, several functions in one wrapper
+    text = ("<function=search>\n<parameter=query>\nfoo\n</function>\n"
+            "<tool_call>\n<function=search>\n<parameter=query>\nbar\n</parameter>\n</function>\n"
+            "<function=search>\n<parameter=query>\nbaz\n</parameter>\n</function>\n</tool_call>")
+    content, calls, errors = parse_complete(text, "qwen_xml", TOOLS)
+    assert errors == [] and content is None
+    assert [c.arguments["query"] for c in calls] == ["foo", "bar", "baz"]
+
+
+def test_qwen_json_body_inside_tool_call():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Rome", "days": 2}}\n</tool_call>'
+    _, calls, errors = parse_complete(text, "qwen_xml", TOOLS)
+    assert errors == [] and _names_args(calls) == [("get_weather", {"location": "Rome", "days": 2})]
+
+
+def test_minicpm_variants():
+    text = ('<function name="write_file">\n<param name="path">a&amp;b.txt</param>\n'
+            '<param name="content"><![CDATA[x ]]]]><![CDATA[> y]]></param></function>\n'
+            '<function name="search"><parameter name="query">q</parameter></function>')
+    content, calls, errors = parse_complete(text, "minicpm_xml", TOOLS)
+    assert errors == [] and content is None
+    assert _names_args(calls) == [("write_file", {"path": "a&b.txt", "content": "x ]]> y"}),
+                                  ("search", {"query": "q"})]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('```json\n{"name": "get_weather", "arguments": {"location": "Rome", "days": 2}}\n```',
+     [("get_weather", {"location": "Rome", "days": 2})]),
+    ('```\n[{"name": "search", "arguments": {"query": "a"}}, {"name": "search", "arguments": {"query": "b"}}]\n```',
+     [("search", {"query": "a"}), ("search", {"query": "b"})]),
+    ('<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"c\\"}"}\n</tool_call>', [("search", {"query": "c"})]),
+    ('{"function": "search", "parameters": {"query": "d", "limit": "3"}}', [("search", {"query": "d", "limit": 3})]),
+    ('{"function": {"name": "search", "arguments": {"query": "e"}}}', [("search", {"query": "e"})]),
+    ('  {"name": "get_weather", "arguments": {"location": "Rome", "days": 2.0}}',
+     [("get_weather", {"location": "Rome", "days": 2})]),
+])
+def test_json_forms(text, expected):
+    content, calls, errors = parse_complete(text, "json", TOOLS)
+    assert errors == [] and content is None and _names_args(calls) == expected
+    # the same, streamed char by char
+    _, calls2, errors2, _ = _stream("json", text, list(text))
+    assert errors2 == [] and _names_args(calls2) == expected
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "Ada Lovelace", "born": 1815}',
+    'The payload is {"name": "get_weather", "arguments": {}} inline.',
+    '```json\n{"name": "Ada", "tags": ["x"]}\n```\nDone.',
+    '```json\n{"results": [1, 2]}\n```',
+])
+def test_json_content_is_not_a_call(text):
+    content, calls, errors = parse_complete(text, "json", TOOLS)
+    assert (content, calls, errors) == (text, [], [])
+    got, calls, errors, _ = _stream("json", text, list(text))
+    assert (got, calls, errors) == (text, [], [])
+
+
+def test_json_malformed_call():
+    content, calls, errors = parse_complete('{"name": "search", "arguments": {"query": "x",}}\nok', "json", TOOLS)
+    assert calls == [] and [e.code for e in errors] == ["malformed_call"] and content == "ok"
+
+
+def test_coercion_helpers():
+    assert coerce_text("5", {"anyOf": [{"type": "integer"}, {"type": "null"}]}) == 5
+    assert coerce_text("null", {"type": ["string", "null"]}) is None
+    assert coerce_text("abc", {"type": ["integer", "string"]}) == "abc"
+    assert coerce_text('{"a": 1}', {}) == {"a": 1}
+    assert coerce_text("x", {"$ref": "#/$defs/k"}, {"$defs": {"k": {"type": "string", "enum": ["x"]}}}) == "x"
+    with pytest.raises(ValueError):
+        coerce_text("1.5", {"type": "integer"})
+    assert coerce_value("12", {"type": "integer"}) == 12
+    assert coerce_value(12, {"type": "string"}) == "12"
+    assert coerce_value(2.0, {"type": "integer"}) == 2
+    assert coerce_value(True, {"type": "boolean"}) is True
+    with pytest.raises(ValueError):
+        coerce_value(True, {"type": "integer"})
+    with pytest.raises(ValueError):
+        coerce_value({"a": 1}, {"type": "string"})
