@@ -18,6 +18,9 @@ class GenerationRequest:
     start_in_reasoning: bool = False  # the rendered prompt ends inside an open think block
     reasoning_budget: int = 0  # force the think block closed after this many tokens (0 = off)
     session_id: str | None = None  # choice 0 resumes from / stores into this session's cache
+    dialect: object = None  # a tools Dialect: parse tool calls out of the content
+    tools: list | None = None  # the request's tool definitions (for typed argument parsing)
+    grammar: object = None  # a tools Grammar constraining every choice (tool call or JSON)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -41,6 +44,7 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     tokens: list[TokenInfo] = field(default_factory=list)  # tokens since the previous delta (logprobs)
+    tool_calls: list[dict] = field(default_factory=list)  # streaming delta.tool_calls[] entries
 
 
 @dataclass
@@ -48,6 +52,8 @@ class ChoiceEnd:
     index: int
     finish_reason: str
     completion_tokens: int
+    tool_call_error: dict | None = None  # a call begun but not finished (or invalid)
+    grammar_closed: bool | None = None  # constrained choices: did the output complete the grammar
 
 
 @dataclass

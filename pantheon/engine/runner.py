@@ -126,10 +126,10 @@ class ModelRunner:
         return SlotSampling(params, prng_key_for(params.seed))
 
     def sample(self, logits: jax.Array, slots: list[int], sampling: list[SlotSampling],
-               forced: list[int] | None = None) -> SampleOutput:
+               forced: list[int] | None = None, mask: np.ndarray | None = None) -> SampleOutput:
         """Sample one token per row of `logits` (rows past len(slots) are padding). Returns numpy.
         `forced[i] >= 0` replaces row i's choice (teacher forcing, e.g. closing a think block);
-        its logprob is still the model's."""
+        its logprob is still the model's. `mask`: int32 [len(slots), words] grammar bitmask rows."""
         b = logits.shape[0]
         n = len(slots)
         rows = np.full(b, self.scratch, np.int32)
@@ -147,8 +147,11 @@ class ModelRunner:
             keys[i], steps[i] = s.key, s.step
             s.step += 1
         want_top = any(s.params.logprobs and s.params.top_logprobs > 0 for s in sampling)
-        key = GraphKey("sample", "sampler", (b, want_top))
-        out, self.sampler_state = self.registry.call(
-            key, sample, (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps, force),
-            dict(want_top=want_top))
+        args = (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps, force)
+        if mask is not None:
+            full = np.full((b, mask.shape[1]), -1, np.int32)
+            full[:n] = mask
+            args += (full,)
+        key = GraphKey("sample", "sampler", (b, want_top, mask is not None))
+        out, self.sampler_state = self.registry.call(key, sample, args, dict(want_top=want_top))
         return jax.tree_util.tree_map(np.asarray, out)

@@ -96,11 +96,18 @@ def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
 
 
+def unpack_bitmask(mask, n_vocab: int):
+    """int32 [B, ceil(V/32)] grammar bitmask (bit j of word i = token 32i + j) -> bool [B, V]."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :n_vocab].astype(bool)
+
+
 @partial(jax.jit, static_argnames=("want_top",), donate_argnames=("state",))
 def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presence, frequency, keys, steps,
-           forced, want_top: bool = False):
+           forced, mask=None, want_top: bool = False):
     """logits: f32 [B, V]; slots: int32 [B]; per-row params: [B]; keys: uint32 [B, 2]; steps: int32 [B];
-    forced: int32 [B], a token that replaces the row's choice when >= 0.
+    forced: int32 [B], a token that replaces the row's choice when >= 0; mask: optional int32
+    [B, ceil(V/32)] grammar bitmask (all ones for unconstrained rows).
 
     Order as in OpenAI/llama.cpp: logit bias and penalties, then greedy argmax or
     temperature -> top-k -> top-p -> categorical. Logprobs are of the unmodified model distribution.
@@ -110,6 +117,8 @@ def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presen
     counts = state.counts[slots]
     x = logits + state.bias[slots]
     x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+    if mask is not None:
+        x = jnp.where(unpack_bitmask(mask, n_vocab), x, -jnp.inf)
     greedy_ids = jnp.argmax(x, axis=-1)
 
     sampled_rows = temperature > 0

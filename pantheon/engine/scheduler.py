@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from pantheon.engine.events import (Admitted, ChoiceEnd, Delta, GenerationRequest, RequestEnd, RequestError,
                                     TokenInfo)
 from pantheon.engine.runner import CHUNK_BUCKETS, ModelRunner, SlotSampling
@@ -67,6 +69,7 @@ class Sequence:
     forced: list[int] = field(default_factory=list)
     reasoning_tokens: int = 0
     pending: list[TokenInfo] = field(default_factory=list)
+    matcher: object = None  # the grammar state of a constrained choice
 
     @property
     def request(self) -> GenerationRequest:
@@ -219,7 +222,14 @@ class Scheduler:
         seq.history = req.prompt_ids[:cached]
         self.runner.begin(slot.index, cached)
         seq.sampling = self.runner.start_sampling(slot.index, seq.params)
-        seq.text = ChoiceText(self.engine.tokenizer, req.stops, req.think, req.start_in_reasoning)
+        parser = None
+        if req.dialect is not None:
+            from pantheon.text.tools import ToolCallParser
+
+            parser = ToolCallParser(req.dialect, req.tools)
+        seq.text = ChoiceText(self.engine.tokenizer, req.stops, req.think, req.start_in_reasoning, parser)
+        if req.grammar is not None:
+            seq.matcher = self.engine.grammar_factory.matcher(req.grammar)
         self.running.append(seq)
         if seq.index == 0:
             st.cached = cached
@@ -237,7 +247,8 @@ class Scheduler:
         seq.prefill_at += len(chunk)
         seq.history.extend(chunk)
         if not seq.prefilling:
-            out = self.runner.sample(logits[None], [seq.slot.index], [seq.sampling], self._forced([seq]))
+            out = self.runner.sample(logits[None], [seq.slot.index], [seq.sampling], self._forced([seq]),
+                                     self._masks([seq]))
             self.engine.record_prefill(len(chunk), time.perf_counter() - t0)
             self._accept(seq, out, 0)
 
@@ -247,9 +258,20 @@ class Scheduler:
         for s in rows:
             s.history.append(s.last)
             s.last = None
-        out = self.runner.sample(logits, slots, [s.sampling for s in rows], self._forced(rows))
+        out = self.runner.sample(logits, slots, [s.sampling for s in rows], self._forced(rows), self._masks(rows))
         for i, s in enumerate(rows):
             self._accept(s, out, i)
+
+    def _masks(self, rows: list[Sequence]) -> np.ndarray | None:
+        """Grammar bitmasks for the constrained rows (all ones elsewhere), or None."""
+        if not any(s.matcher is not None for s in rows):
+            return None
+        words = self.engine.grammar_factory.mask_words
+        mask = np.full((len(rows), words), -1, np.int32)
+        for i, s in enumerate(rows):
+            if s.matcher is not None and not s.forced:
+                s.matcher.fill_bitmask(mask[i])
+        return mask
 
     @staticmethod
     def _forced(rows: list[Sequence]) -> list[int] | None:
@@ -262,7 +284,9 @@ class Scheduler:
         req, params = seq.request, seq.params
         token = int(out.tokens[row])
         if token in self.engine.tokenizer.eog_ids:
-            return self._finish(seq, "stop", seq.text.finish())
+            return self._finish(seq, "stop", self._closing(seq))
+        if seq.matcher is not None:
+            seq.matcher.consume(token)
         seq.n += 1
         if params.logprobs:
             k = min(params.top_logprobs, MAX_TOP_LOGPROBS)
@@ -274,20 +298,35 @@ class Scheduler:
             return self._finish(seq, "stop", delta)
         if delta or seq.pending:
             self._emit(seq, delta)
-        if delta.looping:
-            return self._finish(seq, "repetition_loop", seq.text.finish())
+        if delta.looping and not self._compelled(seq):
+            return self._finish(seq, "repetition_loop", self._closing(seq))
         budget = req.reasoning_budget if req.think else 0
         if was_reasoning and seq.text.in_reasoning and not seq.forced:
             seq.reasoning_tokens += 1
             if budget > 0 and seq.reasoning_tokens == budget:
                 seq.forced = list(self.force_close)
         if seq.n >= req.max_tokens or len(seq.history) + 1 >= self.engine.ctx:
-            return self._finish(seq, "length", seq.text.finish())
+            return self._finish(seq, "length", self._closing(seq))
         seq.last = token
+
+    @staticmethod
+    def _compelled(seq: Sequence) -> bool:
+        """A choice the grammar compels to a call or a JSON value: a loop inside it runs into the
+        grammar's bounds or max_tokens and is closed there, rather than cut off unfinished."""
+        g = seq.matcher.grammar if seq.matcher is not None else None
+        return g is not None and (g.kind == "json" or g.mode in ("required", "named"))
+
+    def _closing(self, seq: Sequence):
+        """End of a choice: a constrained call that can still close gets its closing text appended
+        (the grammar allowed the end token only where that is possible), then the text is flushed."""
+        closing = seq.matcher.closing_text() if seq.matcher is not None else None
+        if closing:
+            self._emit(seq, seq.text.push_text(closing))
+        return seq.text.finish()
 
     def _emit(self, seq: Sequence, delta) -> None:
         if delta or seq.pending:
-            seq.state.emit(Delta(seq.index, delta.reasoning, delta.content, seq.pending))
+            seq.state.emit(Delta(seq.index, delta.reasoning, delta.content, seq.pending, delta.tool_calls))
             seq.pending = []
 
     def _finish(self, seq: Sequence, reason: str | None, delta=None) -> None:
@@ -301,7 +340,11 @@ class Scheduler:
         if seq.index == 0:
             st.kv_used = len(seq.history)
         if reason is not None and not st.failed:
-            st.emit(ChoiceEnd(seq.index, reason, seq.n))
+            if seq.text.n_tool_calls and reason != "repetition_loop":
+                reason = "tool_calls"
+            error = seq.text.tool_errors[0].to_dict() if seq.text.tool_errors else None
+            closed = None if seq.matcher is None else seq.matcher.closing_text() == ""
+            st.emit(ChoiceEnd(seq.index, reason, seq.n, error, closed))
         self._sequence_gone(st)
 
     def _sequence_gone(self, st: _RequestState) -> None:

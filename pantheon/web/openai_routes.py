@@ -8,11 +8,9 @@ import uuid
 
 from quart import Blueprint, Response, current_app, request
 
-from pantheon.config import no_think_default
 from pantheon.engine.engine import BusyError
-from pantheon.engine.events import Admitted, ChoiceEnd, Delta, GenerationRequest, RequestEnd, RequestError
-from pantheon.engine.sampler import SamplingParams
-from pantheon.text.chat_template import ChatTemplateError
+from pantheon.engine.chat import ChatPlan, PlanError, plan_chat
+from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
 from pantheon.web.errors import ApiError, error_body, invalid
@@ -49,7 +47,11 @@ async def chat_completions():
     state.refuse_if_shutting_down()
     chat = parse_chat_request(await _json_body(), request.headers.get("X-Session-Id"))
     engine = state.resolve(chat.model)
-    prompt_ids, think, start_in_reasoning = _prompt(engine, chat)
+    try:
+        plan = plan_chat(engine, chat)
+    except PlanError as e:
+        raise invalid(str(e)) from None
+    prompt_ids = plan.request.prompt_ids
     kv_cap = engine.ctx
     if len(prompt_ids) >= kv_cap:
         msg = (f"prompt of {len(prompt_ids)} tokens exceeds the context window: kv_used={len(prompt_ids)} "
@@ -58,20 +60,16 @@ async def chat_completions():
             body = sse.event(error_body("context_over_budget", msg, kv_used=len(prompt_ids), kv_cap=kv_cap))
             return Response(body, status=200, content_type="text/event-stream")
         raise ApiError(422, "context_over_budget", msg)
-    gen = GenerationRequest(
-        prompt_ids=prompt_ids, choices=[_sampling(chat, i) for i in range(chat.n)], max_tokens=chat.max_tokens,
-        stops=chat.stop, think=think, start_in_reasoning=start_in_reasoning, session_id=chat.session_id,
-        reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0))
-    events = engine.submit(gen)
+    events = engine.submit(plan.request)
     await _admitted(events, engine)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": engine.name}
     if chat.stream:
-        response = Response(_stream(chat, meta, events, engine), content_type="text/event-stream",
+        response = Response(_stream(chat, plan, meta, events, engine), content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
         response.timeout = None
         return response
     try:
-        return await _complete(chat, meta, events, engine)
+        return await _complete(chat, plan, meta, events, engine)
     finally:
         await events.aclose()
 
@@ -88,26 +86,6 @@ async def _admitted(events, engine) -> None:
         await events.aclose()
         _raise_for(first)
     assert isinstance(first, Admitted), first
-
-
-def _prompt(engine, chat: ChatRequest) -> tuple[list[int], bool, bool]:
-    kwargs = {}
-    if engine.think:
-        kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
-    try:
-        text = engine.render_chat(chat.messages, **kwargs)
-    except ChatTemplateError as e:
-        raise invalid(f"chat template rejected the messages: {e}") from None
-    start_in_reasoning = engine.think and text.rstrip().endswith("<think>")
-    return engine.encode_prompt(text), engine.think, start_in_reasoning
-
-
-def _sampling(chat: ChatRequest, index: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k,
-        seed=None if chat.seed is None else chat.seed + index,
-        presence_penalty=chat.presence_penalty, frequency_penalty=chat.frequency_penalty,
-        logit_bias=chat.logit_bias, logprobs=chat.logprobs, top_logprobs=chat.top_logprobs if chat.logprobs else 0)
 
 
 def _logprobs(engine, tokens) -> list[dict]:
@@ -138,8 +116,26 @@ def _raise_for(err: RequestError):
                    {"Retry-After": str(retry)} if retry is not None else None)
 
 
-async def _complete(chat: ChatRequest, meta: dict, events, engine) -> dict:
-    choices = [{"index": i, "reasoning": "", "content": "", "logprobs": [], "finish_reason": None}
+def _response_format_status(plan: ChatPlan, ends: list[ChoiceEnd]) -> str | None:
+    if not plan.json_constrained:
+        return plan.response_format_status
+    if not all(e.grammar_closed for e in ends):
+        return "not_enforced"
+    return "schema_downgraded" if plan.schema_downgraded else "applied"
+
+
+def _merge_tool_deltas(calls: list[dict], entries: list[dict]) -> None:
+    """Assemble streaming tool-call entries into complete OpenAI tool_calls."""
+    for e in entries:
+        if "id" in e:
+            calls.append({"id": e["id"], "type": "function",
+                          "function": {"name": e["function"]["name"], "arguments": ""}})
+        else:
+            calls[e["index"]]["function"]["arguments"] += e["function"]["arguments"]
+
+
+async def _complete(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine) -> dict:
+    choices = [{"index": i, "reasoning": "", "content": "", "logprobs": [], "tool_calls": [], "end": None}
                for i in range(chat.n)]
     usage = None
     async for ev in events:
@@ -148,8 +144,9 @@ async def _complete(chat: ChatRequest, meta: dict, events, engine) -> dict:
             c["reasoning"] += ev.reasoning
             c["content"] += ev.content
             c["logprobs"].extend(ev.tokens)
+            _merge_tool_deltas(c["tool_calls"], ev.tool_calls)
         elif isinstance(ev, ChoiceEnd):
-            choices[ev.index]["finish_reason"] = ev.finish_reason
+            choices[ev.index]["end"] = ev
         elif isinstance(ev, RequestEnd):
             usage = _usage(ev, engine.ctx)
         elif isinstance(ev, RequestError):
@@ -158,41 +155,62 @@ async def _complete(chat: ChatRequest, meta: dict, events, engine) -> dict:
         raise ApiError(500, "server_error", "generation ended without a result")
     out = []
     for c in choices:
-        message = {"role": "assistant", "content": c["content"]}
+        end = c["end"] or ChoiceEnd(c["index"], "stop", 0)
+        content = c["content"]
+        if c["tool_calls"] and not content.strip():
+            content = None  # a pure tool call
+        message = {"role": "assistant", "content": content}
         if c["reasoning"]:
             message["reasoning_content"] = c["reasoning"]
-        choice = {"index": c["index"], "message": message, "finish_reason": c["finish_reason"] or "stop"}
+        if c["tool_calls"]:
+            message["tool_calls"] = c["tool_calls"]
+        choice = {"index": c["index"], "message": message, "finish_reason": end.finish_reason}
+        if end.tool_call_error:
+            choice["tool_call_error"] = end.tool_call_error
         if chat.logprobs:
             choice["logprobs"] = {"content": _logprobs(engine, c["logprobs"])}
         out.append(choice)
     body = {**meta, "object": "chat.completion", "choices": out, "usage": usage}
+    status = _response_format_status(plan, [c["end"] for c in choices if c["end"]])
+    if status:
+        body["response_format_status"] = status
     if chat.n_status:
         body["n_status"] = chat.n_status
     return body
 
 
-async def _stream(chat: ChatRequest, meta: dict, events, engine):
+async def _stream(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine):
     """SSE in the contract's delta order. With n > 1 the choices stream one after another: events of
     a later choice are held until the earlier ones have ended."""
 
-    def chunk(index: int, delta: dict, finish=None, logprobs=None) -> bytes:
-        choice = {"index": index, "delta": delta, "finish_reason": finish}
+    ends: list[ChoiceEnd] = []
+
+    def chunk(index: int, delta: dict, finish=None, logprobs=None, extra=None) -> bytes:
+        choice = {"index": index, "delta": delta, "finish_reason": finish, **(extra or {})}
         if logprobs is not None:
             choice["logprobs"] = {"content": logprobs}
         body = {**meta, "object": "chat.completion.chunk", "choices": [choice]}
-        if finish is not None and chat.n_status:
-            body["n_status"] = chat.n_status
+        if finish is not None:
+            if chat.n_status:
+                body["n_status"] = chat.n_status
+            status = _response_format_status(plan, ends) if len(ends) == chat.n else plan.response_format_status
+            if status:
+                body["response_format_status"] = status
         return sse.event(body)
 
     def render(ev) -> bytes:
         if isinstance(ev, ChoiceEnd):
-            return chunk(ev.index, {}, finish=ev.finish_reason)
+            ends.append(ev)
+            extra = {"tool_call_error": ev.tool_call_error} if ev.tool_call_error else None
+            return chunk(ev.index, {}, finish=ev.finish_reason, extra=extra)
         lp = _logprobs(engine, ev.tokens) if chat.logprobs else None
         out = b""
         if ev.reasoning:
             out += chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp)
         if ev.content or (lp and not ev.reasoning):
             out += chunk(ev.index, {"content": ev.content}, logprobs=lp)
+        for entry in ev.tool_calls:  # the opening chunk, then argument chunks, one per event
+            out += chunk(ev.index, {"tool_calls": [entry]})
         return out
 
     held: dict[int, list[bytes]] = {i: [chunk(i, {"role": "assistant", "content": ""})] for i in range(chat.n)}

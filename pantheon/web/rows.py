@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pantheon.engine.chat import tool_choice_required_with_thinking
 from pantheon.engine.pool import ModelEntry
 
 def _graphs(engine, operator: bool) -> dict | None:
@@ -38,7 +39,7 @@ def public_row(entry: ModelEntry) -> dict:
     e, c = entry.engine, entry.config
     row = {"id": c.name, "object": "model", "created": 0, "owned_by": "pantheon",
            "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
-           "context_window": e.ctx, "tool_choice_required_with_thinking": False}
+           "context_window": e.ctx, "tool_choice_required_with_thinking": tool_choice_required_with_thinking(e)}
     for key, value in (("graphs", _graphs(e, False)), ("attention", _attention(e, False))):
         if value is not None:
             row[key] = value

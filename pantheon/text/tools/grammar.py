@@ -66,6 +66,13 @@ _X_GUIDANCE_RF = {"whitespace_pattern": r"[ \t\n\r]{0,16}", "lenient": True}
 _WS = r"/[ \t\r\n]{1,8}/"
 
 
+def _max_length(sch) -> int | None:
+    """A string schema's maxLength: the grammar bounds the value, so a model that never closes a
+    string on its own is still moved on to the next parameter."""
+    n = sch.get("maxLength") if isinstance(sch, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
 class GrammarError(ValueError):
     """A grammar llguidance rejected."""
 
@@ -492,6 +499,13 @@ class GrammarFactory:
                     return f"{head} ({' | '.join(_lit(v) for v in data)}) {_lit(chr(10) + '</parameter>' + chr(10))}"
                 if kind == "json":
                     return f"{head} %json{json.dumps(data, ensure_ascii=False)} {_lit(chr(10) + '</parameter>' + chr(10))}"
+                n = _max_length(sch)
+                if n is not None:  # at most n characters, then the newline before the close tag
+                    bounded = f"sval_{n}"
+                    if not any(r.startswith(bounded + "[") for r in rules):
+                        rules.append(f"{bounded}[lazy]: /(?s:.{{0,{n}}})\\n<\\/parameter>/ & "
+                                     "~/(?s:.*)(<parameter=|<\\/function>|<\\/tool_call>)(?s:.*)/")
+                    return f"{head} {bounded} \"\\n\""
                 return f"{head} sval \"\\n\""
             seq, prules = self._param_seq(spec, i, param)
             rules += prules
@@ -519,6 +533,12 @@ class GrammarFactory:
                     return f"{head} ({' | '.join(_lit(v) for v in vals)}) {close}"
                 if kind == "json":
                     return f"{head} %json{json.dumps(data, ensure_ascii=False)} {close}"
+                n = _max_length(sch)
+                if n is not None:
+                    bounded = f"PLAIN_{n}"
+                    if not any(r.startswith(bounded + ":") for r in rules):
+                        rules.append(f"{bounded}: /[^<&]{{0,{n}}}/")
+                    return f"{head} {bounded} {close}"
                 return f"{head} sval {close}"
             seq, prules = self._param_seq(spec, i, param)
             rules += prules

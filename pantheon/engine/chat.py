@@ -1,0 +1,101 @@
+"""A validated chat request -> the GenerationRequest the engine runs: the prompt rendered in the
+model's template (tools in the model's dialect), tokenized, and the constraints decided — which
+tool grammar or JSON grammar (if any) each choice decodes under, and whether reasoning is split.
+
+Nothing here is HTTP: the web layer calls `plan_chat` and renders what comes back."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pantheon.config import ENV_TOOL_GRAMMAR, no_think_default
+from pantheon.engine.events import GenerationRequest
+from pantheon.engine.sampler import SamplingParams
+
+
+class PlanError(ValueError):
+    """The request cannot be rendered (bad tools, a template that rejects the messages)."""
+
+
+@dataclass
+class ChatPlan:
+    request: GenerationRequest
+    response_format_status: str | None  # decided now, or None: decided from the outputs ("json")
+    json_constrained: bool = False
+    schema_downgraded: bool = False
+
+
+def _sampling(chat, index: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k,
+        seed=None if chat.seed is None else chat.seed + index,
+        presence_penalty=chat.presence_penalty, frequency_penalty=chat.frequency_penalty,
+        logit_bias=chat.logit_bias, logprobs=chat.logprobs, top_logprobs=chat.top_logprobs if chat.logprobs else 0)
+
+
+def tool_choice_required_with_thinking(engine) -> bool:
+    """The think block stays unconstrained and the call is compelled after it: the Qwen XML and
+    JSON dialects (their grammars model it), not MiniCPM's attribute dialect; never with the
+    tool grammar off."""
+    from pantheon.text.tools import MINICPM_XML
+
+    return os.environ.get(ENV_TOOL_GRAMMAR, "").strip() != "0" and engine.tool_dialect is not MINICPM_XML
+
+
+def plan_chat(engine, chat) -> ChatPlan:
+    from pantheon.text.chat_template import ChatTemplateError
+    from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, tool_grammar_policy
+
+    tools_on = bool(chat.tools) and chat.tool_choice != "none"
+    messages, dialect, specs = chat.messages, None, None
+    try:
+        if tools_on:
+            dialect, specs = engine.tool_dialect, normalize_tools(chat.tools)
+        if tools_on or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = apply_dialect(engine.tool_dialect, messages, specs if tools_on else None)
+    except ToolSpecError as e:
+        raise PlanError(f"invalid tools: {e}") from None
+
+    kwargs = {}
+    if engine.think:
+        kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
+    try:
+        text = engine.render_chat(messages, **kwargs)
+    except ChatTemplateError as e:
+        raise PlanError(f"chat template rejected the messages: {e}") from None
+    start_in_reasoning = engine.think and text.rstrip().endswith("<think>")
+    think_rule = "open" if start_in_reasoning else ("optional" if engine.think and kwargs["enable_thinking"] else "none")
+
+    grammar, status, json_constrained, downgraded = None, None, False, False
+    policy = tool_grammar_policy(chat.tool_choice, tools_on) if tools_on else None
+    if policy is not None:
+        mode, function = policy
+        grammar = engine.grammar_factory.tool_grammar(dialect, specs, mode, function=function, think=think_rule)
+    rf = chat.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if tools_on:
+            status = "ignored_tools_present"
+        elif kind == "text":
+            status = "applied"
+        elif kind == "json_object":
+            grammar, json_constrained = engine.grammar_factory.json_object_grammar(think_rule), True
+        elif kind == "json_schema":
+            spec = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
+            schema = spec.get("schema", spec if "type" in spec else None)
+            if isinstance(schema, dict):
+                grammar = engine.grammar_factory.json_schema_grammar(schema, think_rule)
+                downgraded = bool(grammar.downgraded)
+            else:
+                grammar, downgraded = engine.grammar_factory.json_object_grammar(think_rule), True
+            json_constrained = True
+        else:
+            status = "ignored_unknown_type"
+
+    request = GenerationRequest(
+        prompt_ids=engine.encode_prompt(text), choices=[_sampling(chat, i) for i in range(chat.n)],
+        max_tokens=chat.max_tokens, stops=chat.stop, think=engine.think, start_in_reasoning=start_in_reasoning,
+        session_id=chat.session_id, dialect=dialect, tools=specs, grammar=grammar,
+        reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0))
+    return ChatPlan(request, status, json_constrained, downgraded)
