@@ -5,7 +5,7 @@ and the dispatch rules.
 Triton lowering without a GPU (compute capability 9.0 is assumed), which enforces the Triton rules
 (power-of-2 values, supported primitives, no scalar prefetch). Shapes follow Qwen3.5-35B-A3B:
 hidden 2048, 16 query / 2 kv heads, head_dim 256 (and 128), 256 experts / 8 used, expert FFN 512,
-8 decode slots, 4k context.
+8 decode slots, 4k context; Gated DeltaNet with 32 value heads, Dk = Dv = 128, 512-token chunks.
 
 jaxlib > 0.10.2 also compiles the Triton module to PTX during lowering, through a handler only the
 CUDA plugin registers. Without it lowering fails *after* the Triton module was built, with exactly
@@ -26,12 +26,14 @@ from jax.experimental import pallas as pl
 
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import decode_attention, flash_attention
+from pantheon.pallas.deltanet import gated_delta_rule, gated_delta_rule_step
 from pantheon.pallas.moe_q3k import Q3KPlanes, grouped_matmul_q3k, moe_ffn
 
 S = jax.ShapeDtypeStruct
 NO_HANDLER = "Platform CUDA does not have a Triton compilation handler"
 TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 HIDDEN, N_HEAD, N_KV, EXPERTS, TOP_K, FFN, SLOTS, CTX = 2048, 16, 2, 256, 8, 512, 8, 4096
+DN_HEADS, DN_DIM, DN_CHUNK = 32, 128, 512
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -110,6 +112,35 @@ def test_moe_ffn_lowers(fused):
                           S((SLOTS, HIDDEN), jnp.float32), S((SLOTS, EXPERTS), jnp.float32), gate, up,
                           _planes(EXPERTS, HIDDEN, FFN))
     _assert_triton(text, 2 if fused else 3)
+
+
+def _deltanet_args(b, t, dtype):
+    tok, gate = S((b, t, DN_HEADS, DN_DIM), dtype), S((b, t, DN_HEADS), jnp.float32)
+    return tok, tok, tok, gate, gate, S((b, DN_HEADS, DN_DIM, DN_DIM), jnp.float32), S((b,), jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("chunk", [1, 64])  # sequential in-kernel loop; chunked (two kernels)
+def test_gated_delta_rule_lowers(chunk, dtype):
+    text = lower_for_cuda(lambda *a: gated_delta_rule(*a, chunk=chunk), *_deltanet_args(1, DN_CHUNK, dtype))
+    _assert_triton(text, 1 if chunk == 1 else 2)
+
+
+@pytest.mark.parametrize("chunk", [1, 32])
+def test_gated_delta_rule_ragged_batch_lowers(chunk):
+    """B > 1 and T not a multiple of the chunk (padded inside)."""
+    text = lower_for_cuda(lambda *a: gated_delta_rule(*a, chunk=chunk), *_deltanet_args(4, 300, jnp.float32))
+    _assert_triton(text, 1 if chunk == 1 else 2)
+
+
+def test_gated_delta_rule_step_lowers_in_place():
+    tok, gate = S((SLOTS, DN_HEADS, DN_DIM), jnp.float32), S((SLOTS, DN_HEADS), jnp.float32)
+    cache = S((SLOTS + 1, DN_HEADS, DN_DIM, DN_DIM), jnp.float32)
+    text = lower_for_cuda(lambda *a: gated_delta_rule_step(*a), tok, tok, tok, gate, gate, cache,
+                          S((SLOTS,), jnp.int32))
+    _assert_triton(text, 1)
+    if text is not None:  # the cache operand (index 6) is the kernel's second output: updated in place
+        assert "output_operand_aliases" in text and "operand_index = 6" in text
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------
