@@ -1,4 +1,4 @@
-"""Command line: serve | generate | tokenize | bench | --backend."""
+"""Command line: serve | generate | tokenize | bench | profile | --backend."""
 
 from __future__ import annotations
 
@@ -136,6 +136,19 @@ def _start_bench_server(path: str, concurrency: int, args):
     raise RuntimeError("the bench server did not come up in 300 s")
 
 
+def cmd_profile(args) -> int:
+    from pathlib import Path
+
+    from pantheon.engine.profile import capture, trace_files
+
+    engine = _load_engine(args)
+    out = capture(engine, Path(args.out), requests=args.requests, max_tokens=args.max_tokens)
+    print(f"trace written to {out}")
+    for f in trace_files(out):
+        print(f"  {f}  (open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from pantheon.web.serve import serve
 
@@ -180,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--url", help="a running server to measure with --concurrency")
     b.set_defaults(func=cmd_bench)
 
+    pr = sub.add_parser("profile", help="capture a jax.profiler trace of a few requests into profiles/")
+    model_args(pr)
+    pr.add_argument("--requests", type=int, default=4)
+    pr.add_argument("--max-tokens", type=int, default=32)
+    pr.add_argument("--out", default="profiles", help="folder for <timestamp>-<model>/ (default profiles/)")
+    pr.set_defaults(func=cmd_profile)
+
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     s.add_argument("--model", action="append", default=[], help="GGUF file (repeatable)")
     s.add_argument("--numerics", choices=("llamacpp", "exact"), default="exact",
@@ -206,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if argv is None and args.command in ("generate", "bench", "serve"):
+    if argv is None and args.command in ("generate", "bench", "serve", "profile"):
         reexec_with_tcmalloc(sys.argv)
     from pantheon.default_model import DefaultModelError
     from pantheon.gguf.reader import GGUFError

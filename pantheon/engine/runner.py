@@ -153,5 +153,6 @@ class ModelRunner:
             full[:n] = mask
             args += (full,)
         key = GraphKey("sample", "sampler", (b, want_top, mask is not None))
-        out, self.sampler_state = self.registry.call(key, sample, args, dict(want_top=want_top))
-        return jax.tree_util.tree_map(np.asarray, out)
+        with jax.profiler.TraceAnnotation("sample", batch=n):
+            out, self.sampler_state = self.registry.call(key, sample, args, dict(want_top=want_top))
+            return jax.tree_util.tree_map(np.asarray, out)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from jax.profiler import TraceAnnotation
 
 from pantheon.engine.events import (Admitted, ChoiceEnd, Delta, GenerationRequest, RequestEnd, RequestError,
                                     TokenInfo)
@@ -175,10 +176,12 @@ class Scheduler:
             self.table.reap()
         prefilling = [s for s in self.running if s.prefilling]
         if prefilling:
-            self._prefill_chunk(prefilling[0], decoding=len(prefilling) < len(self.running))
+            with TraceAnnotation("prefill_chunk", slot=prefilling[0].slot.index):
+                self._prefill_chunk(prefilling[0], decoding=len(prefilling) < len(self.running))
         decoding = [s for s in self.running if not s.prefilling and s.last is not None]
         if decoding:
-            self._decode_step(decoding)
+            with TraceAnnotation("decode_step", batch=len(decoding)):
+                self._decode_step(decoding)
         return bool(prefilling or decoding)
 
     # ---- admission --------------------------------------------------------------------------------------
