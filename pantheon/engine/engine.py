@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 
 from pantheon.engine.events import GenerationRequest
 from pantheon.engine.graphs import GraphRegistry
+from pantheon.engine.memory import MemoryLadder
 from pantheon.engine.runner import ModelRunner
 from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
@@ -49,9 +50,9 @@ class Engine:
         self.reasoning_budget = reasoning_budget
         self.max_concurrent_configured = max_concurrent or max_sessions
         # Without the batch scheduler: one generation at a time and no queue (the single-user path).
-        self.max_concurrent = self.max_concurrent_configured if batching else 1
+        self.max_concurrent_served = self.max_concurrent_configured if batching else 1
         self.max_sessions = max_sessions
-        n_slots = max(max_sessions, self.max_concurrent)
+        n_slots = max(max_sessions, self.max_concurrent_served)
         family = family_of(self.spec)
         self.numerics = family.numerics_for(self.gguf, self.spec, numerics)
         self.registry = GraphRegistry()
@@ -60,14 +61,25 @@ class Engine:
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device)
         self.table = SlotTable(n_slots, max_sessions, can_truncate=family.can_truncate, idle_ttl_s=idle_ttl_s,
                                watch_grace_s=watch_grace_s)
-        self.scheduler = Scheduler(self, self.runner, self.table, self.max_concurrent,
-                                   queue_depth if batching else 0)
+        self.ladder = MemoryLadder(devices=[device] if device is not None else [])
+        self.scheduler = Scheduler(self, self.runner, self.table, queue_depth if batching else 0)
         self.load_s = time.perf_counter() - t0
         self.weight_bytes = params_nbytes(params)
         self.kv_bytes = self.runner.cache.nbytes
         self._prefill = (0, 0.0)  # tokens, seconds of measured prefills
         self._weights_version: int | None = None
         self._grammar_factory = None
+
+    # ---- what the memory ladder allows right now ------------------------------------------------------
+    @property
+    def effective_ctx(self) -> int:
+        """The per-session window clients may plan against (`context_window`, `usage.kv_cap`)."""
+        return self.ladder.window(self.ctx)
+
+    @property
+    def max_concurrent(self) -> int:
+        """Requests decoding at once, as served now (`max_concurrent`)."""
+        return self.ladder.concurrency(self.max_concurrent_served)
 
     @property
     def grammar_factory(self):

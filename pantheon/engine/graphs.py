@@ -1,39 +1,62 @@
 """The one registry of compiled step executables — XLA's stand-in for CUDA-graph capture.
 
-Every compiled function the runner calls is obtained here, keyed by (step kind, layer class,
-shape bucket). The registry AOT-compiles on first use (`jit.lower(...).compile()`), keeps the
-`jax.stages.Compiled` (shape-strict: a wrong bucket is a TypeError, never a silent retrace), and
-counts what the contract's `graphs` object reports. A failed compile falls back to calling the
-plain jitted function, is retried on a bounded backoff, and gives up after `max_retries`."""
+Every compiled program the runner calls goes through `call`, keyed by (step kind, class, layer,
+shape bucket): a *slot* per layer and bucket, as the contract's `graphs` counters count them. The
+executable behind a slot is compiled once (AOT: `jit.lower(...).compile()`) and shared by every
+layer that runs the same program at the same shapes. `jax.stages.Compiled` is shape-strict, so a
+wrong bucket is a TypeError, never a silent retrace. A failed compile falls back to the plain
+jitted function (correct output, no AOT executable), is retried on a bounded backoff, and gives
+up after `max_retries`. Classes (the contract's names): batched_attn / batched_ssm (multi-user
+decode layers), single_ssm (one-row DeltaNet decode), segment (embed, head, sampler); prefill
+layers are counted as `prefill`."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
+
+import jax
+
+from pantheon.engine.faults import FAULTS, InjectedFault
 
 log = logging.getLogger(__name__)
 
 
+def _abstract(x):
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
 @dataclass(frozen=True)
 class GraphKey:
-    kind: str  # "prefill", "decode", "sample", ...
-    layer_class: str  # "dense", "batched_attn", "batched_ssm", "single_ssm", "segment"
+    kind: str  # "prefill", "decode", "sample"
+    layer_class: str  # "batched_attn", "batched_ssm", "single_ssm", "segment", "prefill", ...
     bucket: Hashable  # the static shape bucket, e.g. (batch, chunk, kv_len)
+    layer: int = -1  # the model layer this slot serves (-1: not a per-layer program)
+    program: str = ""  # which program (block, attn_block, ssm_block, embed, head, sample)
 
 
 @dataclass
-class _Slot:
+class _Executable:
     compiled: Any = None
     failures: int = 0
     next_retry: float = 0.0
     gave_up: bool = False
+    compile_s: float = 0.0
+    retry: tuple | None = None  # (fn, abstract args, static, key) to recompile from, after a failure
+
+
+@dataclass
+class _Slot:
+    exe: _Executable
     ineligible: bool = False
     calls: int = 0
-    compile_s: float = 0.0
 
 
 @dataclass
@@ -41,51 +64,83 @@ class GraphRegistry:
     max_retries: int = 3
     backoff_s: float = 1.0
     _slots: dict[GraphKey, _Slot] = field(default_factory=dict)
+    _exes: dict[Hashable, _Executable] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     captures: int = 0
     capture_failures: int = 0
 
     def call(self, key: GraphKey, fn: Callable, args: tuple, static: dict | None = None):
-        """Run `fn(*args, **static)` through its compiled executable for `key`."""
+        """Run `fn(*args, **static)` through the compiled executable of `key`'s program."""
         static = static or {}
         with self._lock:
-            slot = self._slots.setdefault(key, _Slot())
+            slot = self._slots.get(key)
+            if slot is None:
+                exe_key = (id(fn), key.kind, key.program, key.bucket, tuple(sorted(static.items(), key=str)))
+                exe = self._exes.setdefault(exe_key, _Executable())
+                slot = self._slots[key] = _Slot(exe)
         slot.calls += 1
-        if slot.compiled is None and not slot.gave_up and not slot.ineligible and time.monotonic() >= slot.next_retry:
-            t0 = time.perf_counter()
-            try:
-                slot.compiled = fn.lower(*args, **static).compile()
-                self.captures += 1
-            except Exception as e:  # noqa: BLE001 - any compile failure falls back, and is counted
-                slot.failures += 1
-                self.capture_failures += 1
-                slot.next_retry = time.monotonic() + self.backoff_s * 2 ** slot.failures
-                slot.gave_up = slot.failures >= self.max_retries
-                log.warning("compile of %s failed (%d): %s", key, slot.failures, e)
-            slot.compile_s += time.perf_counter() - t0
-        if slot.compiled is not None:
-            return slot.compiled(*args)
+        exe = slot.exe
+        if exe.compiled is None and not exe.gave_up and not slot.ineligible and time.monotonic() >= exe.next_retry:
+            self._compile(key, exe, fn, args, static)
+        if exe.compiled is not None:
+            return exe.compiled(*args)
         return fn(*args, **static)
+
+    def _compile(self, key, exe: _Executable, fn, args, static) -> None:
+        t0 = time.perf_counter()
+        try:
+            if FAULTS.take("compile"):
+                raise InjectedFault("injected compile failure")
+            exe.compiled = fn.lower(*args, **static).compile()
+            self.captures += 1
+            exe.retry = None
+        except Exception as e:  # noqa: BLE001 - any compile failure falls back, and is counted
+            exe.failures += 1
+            self.capture_failures += 1
+            exe.next_retry = time.monotonic() + self.backoff_s * 2 ** (exe.failures - 1)
+            exe.gave_up = exe.failures >= self.max_retries
+            if exe.retry is None:  # shapes only: a retry must not keep (donated) buffers alive
+                exe.retry = (fn, jax.tree_util.tree_map(_abstract, args), static, key)
+            log.warning("compile of %s failed (%d/%d): %s", key, exe.failures, self.max_retries, e)
+        exe.compile_s += time.perf_counter() - t0
+
+    def retry_due(self) -> int:
+        """Retry failed compiles whose backoff has passed, whether or not their slot runs again
+        (the device thread calls this between steps). Returns how many were attempted."""
+        now = time.monotonic()
+        with self._lock:
+            due = [e for e in self._exes.values()
+                   if e.compiled is None and e.retry is not None and not e.gave_up and now >= e.next_retry]
+        for exe in due:
+            fn, avals, static, key = exe.retry
+            self._compile(key, exe, fn, avals, static)
+        return len(due)
 
     def mark_ineligible(self, key: GraphKey) -> None:
         with self._lock:
-            self._slots.setdefault(key, _Slot()).ineligible = True
+            self._slots.setdefault(key, _Slot(_Executable())).ineligible = True
 
     def counters(self, layer_class: str | None = None) -> dict[str, int]:
-        """The contract's residency object, for one layer class or all of them."""
-        slots = [s for k, s in self._slots.items() if layer_class is None or k.layer_class == layer_class]
-        live = sum(s.compiled is not None for s in slots)
+        """The contract's residency object, for one class or all of them."""
+        with self._lock:
+            slots = [s for k, s in self._slots.items() if layer_class is None or k.layer_class == layer_class]
+        live = sum(s.exe.compiled is not None and not s.ineligible for s in slots)
         ineligible = sum(s.ineligible for s in slots)
-        failed = sum(s.compiled is None and s.failures > 0 for s in slots)
+        failed = sum(s.exe.compiled is None and s.exe.failures > 0 and not s.ineligible for s in slots)
         out = {"live": live, "total": len(slots), "failed": failed, "ineligible": ineligible,
                "pending": len(slots) - live - ineligible - failed}
-        gave_up = sum(s.gave_up and s.compiled is None for s in slots)
+        gave_up = sum(s.exe.gave_up and s.exe.compiled is None for s in slots)
         if gave_up:
             out["gave_up"] = gave_up
         return out
 
     def classes(self) -> list[str]:
-        return sorted({k.layer_class for k in self._slots})
+        with self._lock:
+            return sorted({k.layer_class for k in self._slots})
+
+    def programs(self) -> set[str]:
+        with self._lock:
+            return {k.program for k in self._slots}
 
     def compile_seconds(self) -> float:
-        return sum(s.compile_s for s in self._slots.values())
+        return sum(e.compile_s for e in self._exes.values())

@@ -1,6 +1,12 @@
-"""Host memory readings (the memory ladder builds on these)."""
+"""Host memory readings and the memory ladder: pressure -> effective window and slot count."""
 
 from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from pantheon.engine.faults import FAULTS
 
 
 def meminfo_bytes(key: str, default: int = 0) -> int:
@@ -13,3 +19,79 @@ def meminfo_bytes(key: str, default: int = 0) -> int:
     except OSError:
         pass
     return default
+
+
+# ---- the memory ladder -------------------------------------------------------------------------
+ENV_PRESSURE_PCT = "PN_MEM_PRESSURE_PCT"
+ENV_CRITICAL_PCT = "PN_MEM_CRITICAL_PCT"
+OK, PRESSURE, CRITICAL = "ok", "pressure", "critical"
+MIN_WINDOW = 256
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    """Pressure when host MemAvailable falls under pressure_pct of MemTotal, critical under
+    critical_pct (defaults 10 % and 4 %; PN_MEM_PRESSURE_PCT / PN_MEM_CRITICAL_PCT)."""
+
+    pressure_pct: float = 10.0
+    critical_pct: float = 4.0
+
+    @classmethod
+    def from_env(cls) -> LadderConfig:
+        return cls(float(os.environ.get(ENV_PRESSURE_PCT, 10.0)), float(os.environ.get(ENV_CRITICAL_PCT, 4.0)))
+
+
+class MemoryLadder:
+    """Host (and, where the device reports it, device) memory pressure -> a level, and what each
+    level allows: under pressure the effective context window and the decode concurrency halve,
+    under critical pressure they drop to a quarter and to one, and new prompts are refused
+    (503 server_memory_constrained). The KV buffers themselves are allocated at load; the ladder
+    bounds what the request path may grow into. Readings are cached for half a second."""
+
+    def __init__(self, config: LadderConfig | None = None, devices=()):
+        self.config = config or LadderConfig.from_env()
+        self.devices = list(devices)
+        self._cached = (0.0, OK)
+
+    def level(self) -> str:
+        if FAULTS.memory:
+            return FAULTS.memory
+        now = time.monotonic()
+        if now - self._cached[0] < 0.5:
+            return self._cached[1]
+        level = self._measure()
+        self._cached = (now, level)
+        return level
+
+    def _measure(self) -> str:
+        fractions = []
+        total, avail = meminfo_bytes("MemTotal"), meminfo_bytes("MemAvailable")
+        if total and avail:
+            fractions.append(100.0 * avail / total)
+        for d in self.devices:
+            try:
+                stats = d.memory_stats() or {}
+                limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use")
+                if limit:
+                    fractions.append(100.0 * (limit - used) / limit)
+            except Exception:  # noqa: BLE001 - CPU devices report nothing
+                pass
+        free = min(fractions, default=100.0)
+        if free < self.config.critical_pct:
+            return CRITICAL
+        return PRESSURE if free < self.config.pressure_pct else OK
+
+    def window(self, configured: int) -> int:
+        level = self.level()
+        if level == OK:
+            return configured
+        return min(configured, max(MIN_WINDOW, configured // (2 if level == PRESSURE else 4)))
+
+    def concurrency(self, configured: int) -> int:
+        level = self.level()
+        if level == OK:
+            return configured
+        return 1 if level == CRITICAL else max(1, configured // 2)
+
+    def admits(self) -> bool:
+        return self.level() != CRITICAL

@@ -25,6 +25,17 @@ CHUNK_BUCKETS = (16, 64, 256, 512)
 MIN_KV_BUCKET = 128
 
 
+def graph_class(kind: str, program: str, batch: int) -> str:
+    """The contract's residency class of one compiled program call."""
+    if program in ("embed", "head", "sample"):
+        return "segment"
+    if kind != "decode":
+        return "prefill"
+    if program == "ssm_block":
+        return "batched_ssm" if batch > 1 else "single_ssm"
+    return "batched_attn"
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:
@@ -59,18 +70,22 @@ class ModelRunner:
         return min(b, self.ctx)
 
     def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False):
-        shape = (tokens.shape[0], tokens.shape[1])
+        batch, chunk = tokens.shape
+        seen: dict[str, int] = {}
 
         def call(name, fn, args, static):
-            # Only the head depends on all_logits and only blocks on kv_len: key each program by
-            # what it was compiled for, so no identical executable is built twice.
-            bucket = shape + ((all_logits,) if name == "head" else (kv_len,) if name in kv_programs else ())
-            return self.registry.call(GraphKey(kind, name, bucket), fn, args, static)
+            layer = seen[name] = seen.get(name, -1) + 1  # the i-th call of a per-layer program
+            # Only the head depends on all_logits and only attention blocks on kv_len: key each
+            # program by what it was compiled for, so no identical executable is built twice.
+            bucket = (batch, chunk) + ((all_logits,) if name == "head" else
+                                       (kv_len,) if name in self.family.kv_programs else ())
+            key = GraphKey(kind, graph_class(kind, name, batch), bucket,
+                           layer if name not in ("embed", "head") else -1, name)
+            return self.registry.call(key, fn, args, static)
 
-        kv_programs = self.family.kv_programs
         logits, self.cache = self.family.forward(self.params, self.cache, tokens, positions, slots, logit_index,
-                                           spec=self.spec, numerics=self.numerics, kv_len=kv_len,
-                                           all_logits=all_logits, call=call)
+                                                 spec=self.spec, numerics=self.numerics, kv_len=kv_len,
+                                                 all_logits=all_logits, call=call)
         return logits
 
     def prefill(self, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> jax.Array:
@@ -152,7 +167,7 @@ class ModelRunner:
             full = np.full((b, mask.shape[1]), -1, np.int32)
             full[:n] = mask
             args += (full,)
-        key = GraphKey("sample", "sampler", (b, want_top, mask is not None))
+        key = GraphKey("sample", "segment", (b, want_top, mask is not None), program="sample")
         with jax.profiler.TraceAnnotation("sample", batch=n):
             out, self.sampler_state = self.registry.call(key, sample, args, dict(want_top=want_top))
             return jax.tree_util.tree_map(np.asarray, out)

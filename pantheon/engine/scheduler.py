@@ -40,6 +40,10 @@ class BusyError(Exception):
     """Every slot is busy and the queue is full."""
 
 
+class MemoryConstrained(Exception):
+    """Critical memory pressure: new prompts are refused."""
+
+
 @dataclass
 class _RequestState:
     request: GenerationRequest
@@ -82,9 +86,9 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, engine, runner: ModelRunner, table: SlotTable, max_concurrent: int, queue_depth: int):
+    def __init__(self, engine, runner: ModelRunner, table: SlotTable, queue_depth: int):
         self.engine, self.runner, self.table = engine, runner, table
-        self.max_concurrent, self.queue_depth = max_concurrent, queue_depth
+        self.queue_depth = queue_depth
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -98,6 +102,8 @@ class Scheduler:
     # ---- the asyncio side -------------------------------------------------------------------------------
     def reserve(self) -> None:
         """Count a new request in, or raise BusyError when slots and queue are full."""
+        if not self.engine.ladder.admits():
+            raise MemoryConstrained()
         with self._load_lock:
             if self._load >= self.max_concurrent + self.queue_depth:
                 raise BusyError()
@@ -110,6 +116,10 @@ class Scheduler:
     @property
     def load(self) -> int:
         return self._load
+
+    @property
+    def max_concurrent(self) -> int:
+        return self.engine.max_concurrent
 
     def put(self, item) -> None:
         self.inbox.put(item)
@@ -174,6 +184,7 @@ class Scheduler:
         if now - self._last_reap > 1.0:
             self._last_reap = now
             self.table.reap()
+            self.runner.registry.retry_due()
         prefilling = [s for s in self.running if s.prefilling]
         if prefilling:
             with TraceAnnotation("prefill_chunk", slot=prefilling[0].slot.index):

@@ -59,11 +59,11 @@ class ServerState:
 
 
 def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Quart:
-    from pantheon.web import admin_routes, openai_routes, session_routes
+    from pantheon.web import admin_routes, openai_routes, session_routes, test_hooks
 
     app = Quart("pantheon")
     app.pantheon = state = ServerState(config or ServeConfig.from_env())
-    for bp in (openai_routes.bp, admin_routes.bp, session_routes.bp):
+    for bp in (openai_routes.bp, admin_routes.bp, session_routes.bp, test_hooks.bp):
         app.register_blueprint(bp)
 
     @app.before_serving

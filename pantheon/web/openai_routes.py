@@ -8,7 +8,7 @@ import uuid
 
 from quart import Blueprint, Response, current_app, request
 
-from pantheon.engine.engine import BusyError
+from pantheon.engine.scheduler import BusyError, MemoryConstrained
 from pantheon.engine.chat import ChatPlan, PlanError, plan_chat
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
@@ -52,7 +52,7 @@ async def chat_completions():
     except PlanError as e:
         raise invalid(str(e)) from None
     prompt_ids = plan.request.prompt_ids
-    kv_cap = engine.ctx
+    kv_cap = engine.effective_ctx
     if len(prompt_ids) >= kv_cap:
         msg = (f"prompt of {len(prompt_ids)} tokens exceeds the context window: kv_used={len(prompt_ids)} "
                f"kv_cap={kv_cap}; shorten the conversation")
@@ -82,6 +82,9 @@ async def _admitted(events, engine) -> None:
     except BusyError:
         raise ApiError(429, "server_busy", f"model {engine.name!r}: every slot is busy and the queue is full; "
                                            "retry", {"Retry-After": "1"}) from None
+    except MemoryConstrained:
+        raise ApiError(503, "server_memory_constrained", "host memory is critically low: admission refused; "
+                                                         "retry later") from None
     if isinstance(first, RequestError):
         await events.aclose()
         _raise_for(first)
@@ -148,7 +151,7 @@ async def _complete(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engin
         elif isinstance(ev, ChoiceEnd):
             choices[ev.index]["end"] = ev
         elif isinstance(ev, RequestEnd):
-            usage = _usage(ev, engine.ctx)
+            usage = _usage(ev, engine.effective_ctx)
         elif isinstance(ev, RequestError):
             _raise_for(ev)
     if usage is None:
@@ -239,7 +242,7 @@ async def _stream(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine)
                 yield release()
                 if chat.include_usage:
                     yield sse.event({**meta, "object": "chat.completion.chunk", "choices": [],
-                                     "usage": _usage(ev, engine.ctx)})
+                                     "usage": _usage(ev, engine.effective_ctx)})
                 yield sse.DONE
             elif isinstance(ev, RequestError):
                 # The status line is already sent. context_over_budget ends the stream as an error

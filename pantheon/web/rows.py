@@ -24,8 +24,7 @@ def _graphs(engine, operator: bool) -> dict | None:
 def _attention(engine, operator: bool) -> dict | None:
     """Every attention layer runs inside the compiled device program; there is no host-softmax
     fallback path, so `host` is 0 once the forward has reached the attention layers."""
-    programs = engine.runner.family.kv_programs
-    if not any(engine.registry.counters(p)["total"] for p in programs):
+    if not set(engine.runner.family.kv_programs) & engine.registry.programs():
         return None
     recurrent = getattr(engine.spec, "recurrent", None)
     n = engine.spec.n_layer if recurrent is None else sum(not r for r in recurrent)
@@ -39,7 +38,7 @@ def public_row(entry: ModelEntry) -> dict:
     e, c = entry.engine, entry.config
     row = {"id": c.name, "object": "model", "created": 0, "owned_by": "pantheon",
            "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
-           "context_window": e.ctx, "tool_choice_required_with_thinking": tool_choice_required_with_thinking(e)}
+           "context_window": e.effective_ctx, "tool_choice_required_with_thinking": tool_choice_required_with_thinking(e)}
     for key, value in (("graphs", _graphs(e, False)), ("attention", _attention(e, False))):
         if value is not None:
             row[key] = value
@@ -51,7 +50,7 @@ def operator_row(entry: ModelEntry) -> dict:
     row = {"id": c.name, "object": "model", "path": str(c.path), "dies": list(c.dies or [0]),
            "vram_bytes": e.device_bytes, "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "max_concurrent_configured": e.max_concurrent_configured,
-           "context_window": e.ctx, "context_window_configured": e.ctx_configured}
+           "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured}
     for key, value in (("graphs", _graphs(e, True)), ("attention", _attention(e, True))):
         if value is not None:
             row[key] = value

@@ -1,0 +1,63 @@
+"""Fault injection for tests: make a compile fail, a KV allocation fail, or memory pressure rise.
+
+Off unless asked: `PANTHEON_FAULTS="compile=2,kv_alloc=1,memory=critical"` at start-up, or
+`POST /admin/test/faults` with the same keys when the server runs with `PANTHEON_TEST_HOOKS=1`.
+Counted faults fire that many times and then stop, so every fallback can be seen failing and
+then healing."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+ENV_FAULTS = "PANTHEON_FAULTS"
+ENV_TEST_HOOKS = "PANTHEON_TEST_HOOKS"
+COUNTED = ("compile", "kv_alloc")
+MEMORY_LEVELS = ("ok", "pressure", "critical")
+
+
+class Faults:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.counts = {k: 0 for k in COUNTED}
+        self.memory: str | None = None  # forced memory-ladder level, None = measured
+        self.load(os.environ.get(ENV_FAULTS, ""))
+
+    def load(self, spec: str) -> None:
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            key, _, value = item.partition("=")
+            self.set(key.strip(), value.strip())
+
+    def set(self, key: str, value) -> None:
+        with self._lock:
+            if key in COUNTED:
+                self.counts[key] = int(value)
+            elif key == "memory":
+                if value not in (*MEMORY_LEVELS, None, ""):
+                    raise ValueError(f"memory fault must be one of {MEMORY_LEVELS}")
+                self.memory = value or None
+            else:
+                raise ValueError(f"unknown fault {key!r} (known: {', '.join(COUNTED)}, memory)")
+
+    def take(self, key: str) -> bool:
+        """True (and one fewer left) when a fault of this kind should fire now."""
+        with self._lock:
+            if self.counts.get(key, 0) > 0:
+                self.counts[key] -= 1
+                return True
+            return False
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {**self.counts, "memory": self.memory}
+
+
+FAULTS = Faults()
+
+
+def test_hooks_enabled() -> bool:
+    return os.environ.get(ENV_TEST_HOOKS, "") == "1"
+
+
+class InjectedFault(RuntimeError):
+    pass
