@@ -16,6 +16,7 @@ class Die:
     card: int
     platform: str
     memory_bytes: int
+    device_id: int
 
 
 def visible_dies() -> list[Die]:
@@ -31,7 +32,7 @@ def visible_dies() -> list[Die]:
             mem = int(stats.get("bytes_limit", mem))
         except Exception:  # noqa: BLE001 - CPU devices may not report stats
             pass
-        dies.append(Die(i, int(getattr(d, "local_hardware_id", None) or i), d.platform, mem))
+        dies.append(Die(i, int(getattr(d, "local_hardware_id", None) or i), d.platform, mem, d.id))
     return dies
 
 

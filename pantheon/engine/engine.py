@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+
+import jax
 import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -54,6 +56,8 @@ class Engine:
         self.max_sessions = max_sessions
         n_slots = max(max_sessions, self.max_concurrent_served)
         family = family_of(self.spec)
+        if hasattr(device, "devices") and device.size > 1 and not family.can_truncate:
+            raise ValueError("the hybrid model runs on one die (its sharding is not built yet)")
         self.numerics = family.numerics_for(self.gguf, self.spec, numerics)
         self.registry = GraphRegistry()
         self.device = device
@@ -61,7 +65,8 @@ class Engine:
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device)
         self.table = SlotTable(n_slots, max_sessions, can_truncate=family.can_truncate, idle_ttl_s=idle_ttl_s,
                                watch_grace_s=watch_grace_s)
-        self.ladder = MemoryLadder(devices=[device] if device is not None else [])
+        devices = list(device.devices.flat) if hasattr(device, "devices") else [device] if device is not None else []
+        self.ladder = MemoryLadder(devices=devices)
         self.scheduler = Scheduler(self, self.runner, self.table, queue_depth if batching else 0)
         self.load_s = time.perf_counter() - t0
         self.weight_bytes = params_nbytes(params)
@@ -99,6 +104,15 @@ class Engine:
     @property
     def device_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
+
+    def bytes_per_device(self) -> dict[int, int]:
+        """Device buffer bytes of this model per device id (weights, KV/state, sampler state)."""
+        out: dict[int, int] = {}
+        leaves = jax.tree_util.tree_leaves((self.runner.params, self.runner.cache, self.runner.sampler_state))
+        for a in leaves:
+            for shard in a.addressable_shards:
+                out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+        return out
 
     # ---- text helpers -----------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], **kwargs) -> str:

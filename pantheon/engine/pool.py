@@ -72,42 +72,59 @@ class ModelPool:
     def loading(self) -> bool:
         return any(e.state == LOADING for e in self.entries())
 
-    def resolve(self, model: str | None) -> Engine:
-        """The contract's routing: one model takes any name; several need an exact match."""
-        ready = self.ready()
-        if not ready:
+    def names(self) -> list[str]:
+        return list(dict.fromkeys(e.config.name for e in self.ready()))
+
+    def replicas(self, name: str) -> list[Engine]:
+        return [e.engine for e in self.ready() if e.config.name == name]
+
+    @staticmethod
+    def pick(replicas: list[Engine], session_id: str | None) -> Engine:
+        """The replica holding the session, else the least loaded one."""
+        if session_id is not None:
+            for engine in replicas:
+                if session_id in engine.table.sessions:
+                    return engine
+        return min(replicas, key=lambda e: e.scheduler.load)
+
+    def resolve(self, model: str | None, session_id: str | None = None) -> Engine:
+        """The contract's routing: one served name takes any `model`; several need an exact match.
+        Replicas of a name (instances on different dies) share its requests."""
+        names = self.names()
+        if not names:
             msg = "no models loaded" + (" (a model is still loading; retry shortly)" if self.loading() else "")
             raise PoolError(503, "no_models_loaded", msg)
-        if len(ready) == 1:
-            return ready[0].engine
-        for e in ready:
-            if e.config.name == model:
-                return e.engine
-        names = ", ".join(e.config.name for e in ready)
-        raise PoolError(404, "model_not_found", f"model {model!r} not found; loaded: {names}")
+        if len(names) == 1:
+            return self.pick(self.replicas(names[0]), session_id)
+        if model in names:
+            return self.pick(self.replicas(model), session_id)
+        raise PoolError(404, "model_not_found", f"model {model!r} not found; loaded: {', '.join(names)}")
 
-    def find(self, name: str | None) -> Engine | None:
+    def find(self, name: str | None, session_id: str | None = None) -> Engine | None:
         """Session routes: `name` selects the model; absent -> the default (first loaded) model."""
-        ready = self.ready()
-        if not ready:
+        names = self.names()
+        if not names or (name is not None and name not in names):
             return None
-        if name is None:
-            return ready[0].engine
-        return next((e.engine for e in ready if e.config.name == name), None)
+        return self.pick(self.replicas(name if name is not None else names[0]), session_id)
 
     # ---- load / unload ------------------------------------------------------------------------------
     def load(self, config: ModelConfig) -> ModelEntry:
         """Blocking; run it off the event loop."""
         self._admit(config)
         with self._lock:
-            existing = self._entries.get(config.name)
-            if existing is not None and existing.state != FAILED:
-                what = "already unloading" if existing.state == UNLOADING else "already loaded"
-                raise PoolError(409, "load_failed", f"model {config.name!r} is {what}")
-            entry = self._entries[config.name] = ModelEntry(config)
+            for existing in self._entries.values():
+                if existing.config.name != config.name:
+                    continue
+                if existing.state == UNLOADING:
+                    raise PoolError(409, "load_failed", f"model {config.name!r} is already unloading")
+                if not (config.dies and existing.config.dies):
+                    raise PoolError(409, "load_failed", f"model {config.name!r} is already loaded "
+                                                        "(a replica needs its own dies)")
+            entry = ModelEntry(config)
+            self._entries[self._key(config)] = entry
         try:
             with self._upload:
-                device = visible_dies_devices(config.dies)
+                device = placement(config.dies)
                 env = EngineEnv.from_env()
                 entry.engine = Engine(config.path, config.name, ctx_cap=config.ctx_cap,
                                       max_sessions=config.max_sessions, max_concurrent=config.max_concurrent,
@@ -120,15 +137,25 @@ class ModelPool:
         except GGUFError as e:
             self._fail(entry, str(e))
             raise PoolError(500, "load_failed", str(e)) from None
+        except ValueError as e:  # e.g. heads not divisible by the die count
+            self._fail(entry, str(e))
+            raise PoolError(400, "load_failed", f"cannot load {config.name!r} on dies {list(config.dies or [])}: {e}") \
+                from None
         except Exception as e:  # noqa: BLE001 - any load failure is reported, the server stays up
             log.exception("load of %s failed", config.path)
             self._fail(entry, str(e))
             raise PoolError(500, "load_failed", f"loading {config.path} failed: {e}") from None
 
+    @staticmethod
+    def _key(config: ModelConfig) -> str:
+        """Instances are keyed by name and dies: replicas of one name live on different dies."""
+        return config.name + ("@" + ",".join(map(str, config.dies)) if config.dies else "")
+
     def _fail(self, entry: ModelEntry, message: str) -> None:
         with self._lock:
-            if self._entries.get(entry.config.name) is entry:
-                del self._entries[entry.config.name]
+            key = self._key(entry.config)
+            if self._entries.get(key) is entry:
+                del self._entries[key]
 
     def _admit(self, config: ModelConfig) -> None:
         if config.dies is not None and len(config.dies) > MAX_MODEL_DIES:
@@ -156,22 +183,24 @@ class ModelPool:
                                                 f"{have >> 20} MiB host memory available")
 
     def unload(self, name: str) -> None:
-        """Blocking: drains the in-flight generation, then frees the model."""
+        """Blocking: drains the in-flight generations of every replica of `name`, then frees them."""
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is None or entry.state == FAILED:
+            entries = [e for e in self._entries.values() if e.config.name == name and e.state != FAILED]
+            if not entries:
                 raise PoolError(404, "unload_failed", f"model {name!r} is not loaded")
-            if entry.state == UNLOADING:
+            if any(e.state == UNLOADING for e in entries):
                 raise PoolError(409, "unload_failed", f"model {name!r} is already unloading")
-            if entry.state == LOADING:
+            if any(e.state == LOADING for e in entries):
                 raise PoolError(409, "unload_failed", f"model {name!r} is still loading")
-            entry.state = UNLOADING
-        engine = entry.engine
-        while engine.busy:  # drain: the generations in flight finish first
-            time.sleep(0.05)
-        engine.stop()
+            for e in entries:
+                e.state = UNLOADING
+        for entry in entries:
+            while entry.engine.busy:  # drain: the generations in flight finish first
+                time.sleep(0.05)
+            entry.engine.stop()
         with self._lock:
-            del self._entries[name]
+            for entry in entries:
+                self._entries.pop(self._key(entry.config), None)
 
     def close(self) -> None:
         for e in self.entries():
@@ -179,10 +208,13 @@ class ModelPool:
                 e.engine.stop()
 
 
-def visible_dies_devices(dies: tuple[int, ...] | None):
-    """The device the model is placed on: the first named die (multi-die sharding: issue 6)."""
+def placement(dies: tuple[int, ...] | None):
+    """Where a model lives: the default device, one die, or a Mesh over several (axis "tp")."""
     if not dies:
         return None
     import jax
+    import numpy as np
+    from jax.sharding import Mesh
 
-    return jax.devices()[dies[0]]
+    devices = [jax.devices()[d] for d in dies]
+    return devices[0] if len(devices) == 1 else Mesh(np.array(devices), ("tp",))

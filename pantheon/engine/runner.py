@@ -15,7 +15,10 @@ import numpy as np
 from pantheon.engine.graphs import GraphKey, GraphRegistry
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from pantheon.model.family import family_of
+from pantheon.model.sharding import KV_CACHE
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
@@ -58,9 +61,13 @@ class ModelRunner:
         self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
         self.registry = registry or GraphRegistry()
         self.family = family_of(spec)
-        sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
-        self.cache = self.family.allocate_state(spec, n_slots, ctx, sharding=sharding)
-        self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), device)
+        if isinstance(device, Mesh):  # several dies: KV heads split, sampler state replicated
+            state_sharding, sampler_sharding = NamedSharding(device, KV_CACHE), NamedSharding(device, PartitionSpec())
+        else:
+            state_sharding = sampler_sharding = (jax.sharding.SingleDeviceSharding(device)
+                                                 if device is not None else None)
+        self.cache = self.family.allocate_state(spec, n_slots, ctx, sharding=state_sharding)
+        self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), sampler_sharding)
         self.scratch = n_slots  # the extra cache slot padded rows write to
 
     def kv_bucket(self, needed: int) -> int:

@@ -13,7 +13,10 @@ import numpy as np
 
 from pantheon.gguf.quants import dequantize_np
 from pantheon.gguf.reader import GGUFFile
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from pantheon.model.numerics import Numerics, scheme_for
+from pantheon.model.sharding import check_divisible, layer_spec
 from pantheon.model.spec import ModelSpec
 
 # params key -> GGUF tensor name (in layer 0) whose type decides the activation rounding.
@@ -52,15 +55,23 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int) -> dict[str, np.ndarray
 
 
 def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None) -> dict:
-    """The params pytree for `pantheon.model.llama.forward`. `device` may be a Device or Sharding."""
+    """The params pytree for `pantheon.model.llama.forward`. `device`: None (the default device),
+    a Device, or a Mesh — then layer matrices are split over its dies (see sharding.py). Arrays go
+    to the device straight from host numpy (resharding a device array costs a compile)."""
     layers = [{k: (a.T if a.ndim == 2 else a) for k, a in _layer_tensors(g, spec, i).items()}
               for i in range(spec.n_layer)]
     params = {"embed": load_tensor(g, "token_embd.weight"), "output_norm": load_tensor(g, "output_norm.weight"),
               "layers": layers}
     if not spec.tied_embeddings:
         params["output"] = load_tensor(g, "output.weight")
-    cast = lambda a: jax.device_put(np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a), device)
-    return jax.tree_util.tree_map(cast, params)
+    host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)
+    if not isinstance(device, Mesh):
+        return jax.tree_util.tree_map(lambda a: jax.device_put(host(a), device), params)
+    check_divisible(spec, device.size)
+    placed = lambda a, pspec: jax.device_put(host(a), NamedSharding(device, pspec))
+    out = {k: placed(v, PartitionSpec()) for k, v in params.items() if k != "layers"}
+    out["layers"] = [{k: placed(a, layer_spec(k)) for k, a in layer.items()} for layer in params["layers"]]
+    return out
 
 
 def params_nbytes(params) -> int:

@@ -27,9 +27,9 @@ class ServerState:
         self.shutting_down = False
         self.startup_errors: list[str] = []
 
-    def resolve(self, model):
+    def resolve(self, model, session_id=None):
         try:
-            return self.pool.resolve(model)
+            return self.pool.resolve(model, session_id)
         except PoolError as e:
             raise ApiError(e.status, e.type, e.message) from None
 

@@ -77,11 +77,11 @@ async def admin_unload():
 @bp.route("/admin/dies", methods=["GET"])
 async def admin_dies():
     dies = visible_dies()
-    entries = current_app.pantheon.pool.ready()
+    usage = [(e, e.engine.bytes_per_device()) for e in current_app.pantheon.pool.ready()]
     data = []
     for d in dies:
-        here = [e for e in entries if d.index in (e.config.dies or (0,))]
-        data.append({"die": d.index, "card": d.card, "model": here[0].config.name if here else "",
+        here = [(e, per) for e, per in usage if per.get(d.device_id)]
+        data.append({"die": d.index, "card": d.card, "model": here[0][0].config.name if here else "",
                      "n_models": len(here), "vram_budget": die_budget(d),
-                     "vram_used": sum(e.engine.device_bytes // len(e.config.dies or (0,)) for e in here)})
+                     "vram_used": sum(per[d.device_id] for _, per in here)})
     return {"object": "list", "n_dies": len(dies), "data": data}

@@ -46,7 +46,7 @@ async def chat_completions():
     state = current_app.pantheon
     state.refuse_if_shutting_down()
     chat = parse_chat_request(await _json_body(), request.headers.get("X-Session-Id"))
-    engine = state.resolve(chat.model)
+    engine = state.resolve(chat.model, chat.session_id)
     try:
         plan = plan_chat(engine, chat)
     except PlanError as e:

@@ -48,7 +48,7 @@ def public_row(entry: ModelEntry) -> dict:
 def operator_row(entry: ModelEntry) -> dict:
     e, c = entry.engine, entry.config
     row = {"id": c.name, "object": "model", "path": str(c.path), "dies": list(c.dies or [0]),
-           "vram_bytes": e.device_bytes, "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
+           "vram_bytes": sum(e.bytes_per_device().values()), "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "max_concurrent_configured": e.max_concurrent_configured,
            "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured}
     for key, value in (("graphs", _graphs(e, True)), ("attention", _attention(e, True))):

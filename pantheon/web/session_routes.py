@@ -20,10 +20,10 @@ DEFAULT_UPLOAD_BPS = 12.5e6
 WATCH_KEEPALIVE_S = 15.0
 
 
-def _engine(name):
+def _engine(name, session_id=None):
     if name is not None and not isinstance(name, str):
         raise invalid("'name' must be a string")
-    engine = current_app.pantheon.pool.find(name)
+    engine = current_app.pantheon.pool.find(name, session_id)
     if engine is None:
         raise ApiError(404, "model_not_found", f"model {name!r} not found" if name else "no models loaded")
     return engine
@@ -56,7 +56,7 @@ def _session_id(body: dict, header: bool = True) -> str:
 async def session_export():
     body = await _body()
     sid = _session_id(body, header=False)
-    engine = _engine(body.get("name"))
+    engine = _engine(body.get("name"), sid)
     out = await _call(engine, lambda: engine.export_session(sid))
     data = out.pop("blob")
     return {**out, "blob_b64": base64.b64encode(data).decode()}
@@ -83,7 +83,7 @@ async def session_restore():
 async def session_release():
     body = await _body()
     sid = _session_id(body)
-    engine = _engine(body.get("name"))
+    engine = _engine(body.get("name"), sid)
     await _call(engine, lambda: engine.table.release(sid))
     return {"released": True, "session_id": sid}
 
@@ -124,7 +124,7 @@ async def session_watch():
     sid = request.args.get("session_id") or request.headers.get("X-Session-Id")
     if not sid:
         raise invalid("'session_id' is required")
-    engine = _engine(request.args.get("name"))
+    engine = _engine(request.args.get("name"), sid)
     if not await _call(engine, lambda: engine.table.watch(sid)):
         raise ApiError(503, "watch_unavailable", "the watch table is full")
 
