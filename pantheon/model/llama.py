@@ -8,7 +8,8 @@ program), and `head`. Per-layer weights are separate arrays rather than slices o
 batched decode (B=batch, T=1).
 
 `forward` chains them; `call(name, fn, args, static)` lets the runner route every program through
-the graph registry (the default just calls it)."""
+the graph registry (the default just calls it). Attention runs through pantheon.pallas.dispatch
+(model/kernels.py): the `block` program's static `kernels` records which implementation it uses."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pantheon.model.layers import gqa_attention, linear, rms_norm, rope, swiglu
+from pantheon.model import kernels as kern
+from pantheon.model.layers import linear, rms_norm, rope, swiglu
 from pantheon.model.numerics import Numerics, quantize_activations
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache
@@ -30,10 +32,12 @@ def embed(table, tokens, *, spec: ModelSpec):
     return table[tokens] * spec.embed_scale
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len"), donate_argnames=("k_cache", "v_cache"))
-def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int):
+@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels"), donate_argnames=("k_cache", "v_cache"))
+def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
+          kernels: kern.Kernels):
     """One transformer block. x: [B, T, E]; k_cache/v_cache: this layer's [slots+1, C, K, D];
-    positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions."""
+    positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions.
+    kernels: the attention kernel's mode (`block_kernels`)."""
     num = numerics
     b, t, _ = x.shape
     h = rms_norm(x, w["attn_norm"], spec.rms_eps)
@@ -55,9 +59,7 @@ def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics
     rows = slots[:, None]
     k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    keys = k_cache[slots, :kv_len]  # [B, S, K, D]
-    values = v_cache[slots, :kv_len]
-    attn = gqa_attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions)
+    attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels)
     x = x + spec.residual_scale * linear(attn.reshape(b, t, -1), w["wo"], num.scheme("wo"))
 
     h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
@@ -77,6 +79,11 @@ def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numer
     return (jnp.einsum("...i,vi->...v", x, table) / spec.logit_scale).astype(jnp.float32)
 
 
+def block_kernels(spec: ModelSpec, cache: KVCache, t: int) -> kern.Kernels:
+    """The static `kernels` of `block` for t tokens per row (model/kernels.py)."""
+    return kern.choose(kern.attention_modes(t, spec.head_dim, cache.k[0].shape))
+
+
 def _direct(name: str, fn: Callable, args: tuple, static: dict):
     return fn(*args, **static)
 
@@ -91,7 +98,8 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
     per-layer buffers are donated: the caller must use the returned cache."""
     x = call("embed", embed, (params["embed"], tokens), dict(spec=spec))
     ks, vs = list(cache.k), list(cache.v)
-    static = dict(spec=spec, numerics=numerics, kv_len=kv_len)
+    kernels = block_kernels(spec, cache, tokens.shape[1])
+    static = dict(spec=spec, numerics=numerics, kv_len=kern.program_kv_len(kernels, kv_len, cache.ctx), kernels=kernels)
     for i, w in enumerate(params["layers"]):
         x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), static)
     table = params["embed"] if spec.tied_embeddings else params["output"]

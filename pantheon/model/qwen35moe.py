@@ -17,7 +17,14 @@ Recurrent state rules (the runner relies on them):
 * so logit_index must be n_valid - 1 of each row, also with all_logits.
 
 All matmuls are traced with "highest" precision: on accelerators the default (tf32/bf16) would
-flip top-2 router choices, whose smallest margin on the tiny reference model is 1.2e-4."""
+flip top-2 router choices, whose smallest margin on the tiny reference model is 1.2e-4.
+
+Kernels (model/kernels.py): attention and, for Q3_K experts, the routed MoE run through
+pantheon.pallas.dispatch; each layer program's static `kernels` records the implementation it was
+traced with. When every layer's expert tensors (gate, up, down, or the fused gate_up) are Q3_K, they
+stay Q3_K blocks on the device (`Q3KPlanes`, 114 bytes per 110 GGUF bytes) instead of being
+dequantized to float32; any other expert type keeps the float32 path (`_grouped_experts`). Both
+paths route with pantheon.pallas.moe_q3k.route (SPEC §5)."""
 
 from __future__ import annotations
 
@@ -27,15 +34,19 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 from jax import lax
 
 from pantheon.gguf.reader import GGUFFile
-from pantheon.model.layers import gqa_attention, linear, rms_norm, rope, swiglu
+from pantheon.model import kernels as kern
+from pantheon.model.layers import linear, rms_norm, rope, swiglu
 from pantheon.model.numerics import Numerics, quantize_activations, scheme_for
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
 from pantheon.model.state import HybridState, allocate_hybrid_state
 from pantheon.model.weights import load_tensor
+from pantheon.pallas import dispatch
 from pantheon.pallas.deltanet import gated_delta_rule_reference
+from pantheon.pallas.moe_q3k import Q3KPlanes, q3k_planes_from_blocks, route
 
 # ---- weights --------------------------------------------------------------------------------------
 # params key -> GGUF tensor name inside blk.N. Matrices are stored [in, out] (x @ W), experts
@@ -50,6 +61,10 @@ _DELTANET = {"w_qkv": "attn_qkv.weight", "w_z": "attn_gate.weight", "w_beta": "s
              "w_alpha": "ssm_alpha.weight", "conv": "ssm_conv1d.weight", "dt_bias": "ssm_dt.bias", "a": "ssm_a",
              "ssm_norm": "ssm_norm.weight", "w_out": "ssm_out.weight"}
 _FUSED_GATE_UP = "ffn_gate_up_exps.weight"  # optional: gate rows, then up rows
+_EXPERTS = ("exp_gate", "exp_up", "exp_down")
+# Q3_K experts as planes: "exp_gate", "exp_up", "exp_down" Q3KPlanes [X, out, in] (GGUF orientation),
+# or "exp_gate_up" [X, 2F, E] (gate rows, then up rows) instead of the first two.
+_GATE_UP_PLANES = "exp_gate_up"
 
 
 def _layer_names(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, str]:
@@ -60,9 +75,24 @@ def _layer_names(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, str]:
     return {k: f"blk.{i}.{n}" for k, n in names.items()}
 
 
-def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, np.ndarray]:
+def q3k_experts(g: GGUFFile, spec: HybridSpec) -> bool:
+    """Whether the routed experts stay Q3_K blocks on the device: every layer's expert tensors are
+    Q3_K. Decided for the whole model, so all layers of a kind share one program (and one params
+    structure); a mix (Q3_K_M's Q4_K/Q5_K ffn_down) keeps the float32 path."""
+    return all(g.tensor_info(name).ggml_type == GGMLQuantizationType.Q3_K
+               for i in range(spec.n_layer) for key, name in _layer_names(g, spec, i).items() if key in _EXPERTS)
+
+
+def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False) -> dict[str, np.ndarray | Q3KPlanes]:
     out = {}
     for key, name in _layer_names(g, spec, i).items():
+        if q3k and key in _EXPERTS:  # raw [X, out, row bytes] blocks -> planes, never dequantized
+            if name.endswith(_FUSED_GATE_UP):
+                if key == "exp_gate":
+                    out[_GATE_UP_PLANES] = q3k_planes_from_blocks(g.tensor_data(name))
+            else:
+                out[key] = q3k_planes_from_blocks(g.tensor_data(name))
+            continue
         a = load_tensor(g, name)
         if name.endswith(_FUSED_GATE_UP):
             gate, up = np.split(a, 2, axis=1)
@@ -73,14 +103,20 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, np.ndarra
 
 
 def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None) -> dict:
-    """The params pytree for `forward`: every tensor dequantized to `dtype` (1-D ones stay f32).
-    `device` may be a Device or a Sharding."""
+    """The params pytree for `forward`: every tensor dequantized to `dtype` (1-D ones stay f32),
+    except Q3_K experts (`q3k_experts`), kept as Q3KPlanes. `device` may be a Device or a Sharding."""
+    q3k = q3k_experts(g, spec)
     params = {"embed": load_tensor(g, "token_embd.weight"), "output_norm": load_tensor(g, "output_norm.weight"),
-              "layers": [_layer_tensors(g, spec, i) for i in range(spec.n_layer)]}
+              "layers": [_layer_tensors(g, spec, i, q3k) for i in range(spec.n_layer)]}
     if not spec.tied_embeddings:
         params["output"] = load_tensor(g, "output.weight")
-    cast = lambda a: jax.device_put(np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a), device)
-    return jax.tree_util.tree_map(cast, params)
+
+    def put(a):
+        if isinstance(a, Q3KPlanes):
+            return jax.device_put(a, device)
+        return jax.device_put(np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a), device)
+
+    return jax.tree_util.tree_map(put, params, is_leaf=lambda a: isinstance(a, Q3KPlanes))
 
 
 def numerics_for(g: GGUFFile, spec: HybridSpec, mode: str = "llamacpp") -> Numerics:
@@ -154,7 +190,8 @@ def _deltanet(w, conv_state, ssm_state, h, positions, slots, lengths, spec: Hybr
     return out, conv_state.at[slots].set(conv_new), ssm_state.at[slots].set(s_new)
 
 
-def _attention(w, k_cache, v_cache, h, positions, slots, spec: HybridSpec, num: Numerics, kv_len: int):
+def _attention(w, k_cache, v_cache, h, positions, slots, spec: HybridSpec, num: Numerics, kv_len: int,
+               kernels: kern.Kernels):
     """Gated full attention (SPEC §3.1). h: [B, T, E]; caches [slots+1, ctx, K, D]."""
     b, t, _ = h.shape
     d = spec.head_dim
@@ -169,16 +206,8 @@ def _attention(w, k_cache, v_cache, h, positions, slots, spec: HybridSpec, num: 
     rows = slots[:, None]  # positions past the cache (padding of a last chunk) are dropped
     k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    keys, values = k_cache[slots, :kv_len].astype(q.dtype), v_cache[slots, :kv_len].astype(q.dtype)
-    o = gqa_attention(q, keys, values, positions) * jax.nn.sigmoid(gate)  # [B, T, H, D]
+    o = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels) * jax.nn.sigmoid(gate)  # [B, T, H, D]
     return linear(o.reshape(b, t, -1), w["wo"], num.scheme("wo")), k_cache, v_cache
-
-
-def _route(h, router, k: int):
-    """Softmax over all experts, top-k, renormalised (SPEC §5). h: [N, E] -> ([N, k] ids, [N, k] weights)."""
-    probs = jax.nn.softmax(h @ router, axis=-1)  # [N, X]
-    top_p, top_e = lax.top_k(probs, k)
-    return top_e, top_p / jnp.maximum(top_p.sum(-1, keepdims=True), 6.1e-5)
 
 
 def _rows_per_block(assignments: int, n_expert: int) -> int:
@@ -218,13 +247,20 @@ def _grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)
 
 
-def _ffn(w, x, spec: HybridSpec, num: Numerics):
-    """x + MoE(h) + shared expert(h), h = RMSNorm(x) * post_attention_norm (SPEC §5). x: [B, T, E]."""
+def _ffn(w, x, spec: HybridSpec, num: Numerics, kernels: kern.Kernels):
+    """x + MoE(h) + shared expert(h), h = RMSNorm(x) * post_attention_norm (SPEC §5). x: [B, T, E].
+    Q3_K experts (Q3KPlanes) run through dispatch.moe_ffn, float32 ones through `_grouped_experts`."""
     h = rms_norm(x, w["post_norm"], spec.rms_eps).reshape(-1, x.shape[-1])  # [N, E]
-    experts, weights = _route(h, w["router"], spec.n_expert_used)
-    schemes = tuple(num.scheme(key) for key in ("exp_gate", "exp_up", "exp_down"))
-    routed = jnp.einsum("nk,nke->ne", weights, _grouped_experts(h, experts, w["exp_gate"], w["exp_up"],
-                                                                 w["exp_down"], schemes))
+    router_logits = h @ w["router"]  # [N, X]
+    schemes = tuple(num.scheme(key) for key in _EXPERTS)
+    if isinstance(w["exp_down"], Q3KPlanes):
+        gate, up = (w[_GATE_UP_PLANES], None) if _GATE_UP_PLANES in w else (w["exp_gate"], w["exp_up"])
+        routed = dispatch.moe_ffn(h, router_logits, spec.n_expert_used, gate, up, w["exp_down"], schemes=schemes,
+                                  mode=dict(kernels)[kern.MOE_Q3K])
+    else:
+        weights, experts = route(router_logits, spec.n_expert_used)
+        routed = jnp.einsum("nk,nke->ne", weights, _grouped_experts(h, experts, w["exp_gate"], w["exp_up"],
+                                                                     w["exp_down"], schemes))
     schemes = tuple(num.scheme(key) for key in ("sh_gate", "sh_up", "sh_down"))
     shared = swiglu(h, w["sh_gate"], w["sh_up"], w["sh_down"], schemes) * jax.nn.sigmoid(h @ w["sh_gate_inp"])[:, None]
     return x + (routed + shared).reshape(x.shape)
@@ -237,22 +273,26 @@ def embed(table, tokens):
     return table[tokens]
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len"), donate_argnames=("k_cache", "v_cache"))
+@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels"), donate_argnames=("k_cache", "v_cache"))
 @_f32_dots
-def attn_block(w, k_cache, v_cache, x, positions, slots, *, spec: HybridSpec, numerics: Numerics, kv_len: int):
-    """Full-attention layer. x: [B, T, E]; positions: int32 [B, T]; slots: int32 [B]."""
+def attn_block(w, k_cache, v_cache, x, positions, slots, *, spec: HybridSpec, numerics: Numerics, kv_len: int,
+               kernels: kern.Kernels):
+    """Full-attention layer. x: [B, T, E]; positions: int32 [B, T]; slots: int32 [B].
+    kernels: the modes of its attention kernel and, with Q3_K experts, moe_q3k (`layer_kernels`)."""
     a, k_cache, v_cache = _attention(w, k_cache, v_cache, rms_norm(x, w["attn_norm"], spec.rms_eps), positions,
-                                     slots, spec, numerics, kv_len)
-    return _ffn(w, x + a, spec, numerics), k_cache, v_cache
+                                     slots, spec, numerics, kv_len, kernels)
+    return _ffn(w, x + a, spec, numerics, kernels), k_cache, v_cache
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics"), donate_argnames=("conv_state", "ssm_state"))
+@partial(jax.jit, static_argnames=("spec", "numerics", "kernels"), donate_argnames=("conv_state", "ssm_state"))
 @_f32_dots
-def ssm_block(w, conv_state, ssm_state, x, positions, slots, logit_index, *, spec: HybridSpec, numerics: Numerics):
-    """Gated DeltaNet layer. Row b's tokens after logit_index[b] are padding and leave its state alone."""
+def ssm_block(w, conv_state, ssm_state, x, positions, slots, logit_index, *, spec: HybridSpec, numerics: Numerics,
+              kernels: kern.Kernels):
+    """Gated DeltaNet layer. Row b's tokens after logit_index[b] are padding and leave its state alone.
+    kernels: with Q3_K experts, the moe_q3k mode (`layer_kernels`)."""
     a, conv_state, ssm_state = _deltanet(w, conv_state, ssm_state, rms_norm(x, w["attn_norm"], spec.rms_eps),
                                          positions, slots, logit_index + 1, spec, numerics)
-    return _ffn(w, x + a, spec, numerics), conv_state, ssm_state
+    return _ffn(w, x + a, spec, numerics, kernels), conv_state, ssm_state
 
 
 @partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
@@ -263,6 +303,24 @@ def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Nume
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = quantize_activations(rms_norm(x, output_norm, spec.rms_eps), numerics.scheme("head"))
     return jnp.einsum("...i,vi->...v", x, table).astype(jnp.float32)  # table [V, E]: maybe the embedding
+
+
+def layer_kernels(spec: HybridSpec, params, state: HybridState, t: int) -> dict[str, kern.Kernels]:
+    """The static `kernels` of "attn_block" and "ssm_block" for t tokens per row (model/kernels.py)."""
+    moe = {kern.MOE_Q3K: _moe_supported(params["layers"][0])} if _has_q3k_experts(params) else {}
+    out = {"ssm_block": kern.choose(moe)}
+    if state.k:
+        out["attn_block"] = kern.choose({**kern.attention_modes(t, spec.head_dim, state.k[0].shape), **moe})
+    return out
+
+
+def _has_q3k_experts(params) -> bool:
+    return isinstance(params["layers"][0]["exp_down"], Q3KPlanes)
+
+
+def _moe_supported(w) -> bool:
+    """The Pallas grouped Q3_K matmul addresses a weight with int32 element offsets."""
+    return all(p.qs.size < 2 ** 31 for p in w.values() if isinstance(p, Q3KPlanes))
 
 
 def _direct(name: str, fn: Callable, args: tuple, static: dict):
@@ -277,15 +335,18 @@ def forward(params, state: HybridState, tokens, positions, slots, logit_index, *
     state's buffers are donated: use the returned state."""
     x = call("embed", embed, (params["embed"], tokens), {})
     ks, vs, convs, ssms = list(state.k), list(state.v), list(state.conv), list(state.ssm)
+    kernels = layer_kernels(spec, params, state, tokens.shape[1])
     ia = ir = 0  # index into the attention / DeltaNet state lists
     for i, w in enumerate(params["layers"]):
         if spec.recurrent[i]:
             x, convs[ir], ssms[ir] = call("ssm_block", ssm_block, (w, convs[ir], ssms[ir], x, positions, slots,
-                                                                   logit_index), dict(spec=spec, numerics=numerics))
+                                                                   logit_index),
+                                          dict(spec=spec, numerics=numerics, kernels=kernels["ssm_block"]))
             ir += 1
         else:
             x, ks[ia], vs[ia] = call("attn_block", attn_block, (w, ks[ia], vs[ia], x, positions, slots),
-                                     dict(spec=spec, numerics=numerics, kv_len=kv_len))
+                                     dict(spec=spec, numerics=numerics, kernels=kernels["attn_block"],
+                                          kv_len=kern.program_kv_len(kernels["attn_block"], kv_len, state.ctx)))
             ia += 1
     table = params["embed"] if spec.tied_embeddings else params["output"]
     logits = call("head", head, (table, params["output_norm"], x, logit_index),

@@ -13,8 +13,8 @@ One rule for every kernel, so the serve path, the tests and the profile script a
 
 ``kernel_choices()`` reports the current choice per kernel name, for the residency counters.
 Kernels take ``interpret`` as a static argument; ``interpret_flag(mode)`` maps a mode to it.
-``attention_prefill``, ``attention_decode`` and ``moe_ffn`` below are the model's entry points:
-they pick the implementation by these rules and call it.
+``attention_prefill``, ``attention_decode``, ``moe_ffn``, ``deltanet`` and ``deltanet_step`` below
+are the model's entry points: they pick the implementation by these rules and call it.
 """
 
 from __future__ import annotations
@@ -107,33 +107,77 @@ def triton_params(num_warps: int, num_stages: int):
 # ---- entry points for the model -------------------------------------------------------------------
 # Each resolves its mode when traced (inside jit: once per compiled program; PANTHEON_KERNELS changes
 # after that need a new trace) and calls the kernel or its reference. Imports are local because the
-# kernel modules import this one.
-def attention_prefill(q, k, v, q_pos, backend: str | None = None):
+# kernel modules import this one. `mode`, when given, is a mode the caller already resolved: the
+# model programs resolve theirs before tracing and pass them as a static argument
+# (pantheon.model.kernels), so the jit cache key records which implementation each program runs.
+def _mode(name: str, backend: str | None, mode: str | None) -> str:
+    if mode is None:
+        return kernel_mode(name, backend)
+    if mode not in MODES:
+        raise ValueError(f"{name}: unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+    return mode
+
+
+def attention_prefill(q, k, v, q_pos, backend: str | None = None, *, mode: str | None = None):
     """Causal GQA attention, q [B, T, H, D], k/v [B, S, K, D], q_pos [B, T] -> [B, T, H, D]
     (pantheon.pallas.attention.flash_attention or attention_reference)."""
     from pantheon.pallas import attention
 
-    mode = kernel_mode("attention_prefill", backend)
+    mode = _mode("attention_prefill", backend, mode)
     if mode == "reference":
         return attention.attention_reference(q, k, v, q_pos)
     return attention.flash_attention(q, k, v, q_pos, interpret=interpret_flag(mode))
 
 
-def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = None):
+def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = None, *,
+                     kv_len: int | None = None, mode: str | None = None):
     """One query per row against its cache slot: q [B, H, D], caches [N_slots, C, K, D], slots and
-    lengths int [B] -> [B, H, D] (decode_attention or decode_attention_reference)."""
+    lengths int [B] -> [B, H, D] (decode_attention or decode_attention_reference).
+
+    kv_len: optional static bound, every length <= kv_len. The reference then gathers only the
+    first kv_len positions of each row's slot (as the model did before the kernels); the kernel
+    ignores it, as it reads each row's cache in place up to its length."""
     from pantheon.pallas import attention
 
-    mode = kernel_mode("attention_decode", backend)
+    mode = _mode("attention_decode", backend, mode)
     if mode == "reference":
+        if kv_len is not None and kv_len < k_cache.shape[1]:
+            k_cache, v_cache = k_cache[:, :kv_len], v_cache[:, :kv_len]
         return attention.decode_attention_reference(q, k_cache, v_cache, slots, lengths)
     return attention.decode_attention(q, k_cache, v_cache, slots, lengths, interpret=interpret_flag(mode))
 
 
-def moe_ffn(x, router_logits, top_k: int, gate, up, down, schemes=None, backend: str | None = None):
+def moe_ffn(x, router_logits, top_k: int, gate, up, down, schemes=None, backend: str | None = None, *,
+            mode: str | None = None):
     """Routed Q3_K experts, x [T, D], router_logits [T, E] -> [T, D] (pantheon.pallas.moe_q3k.moe_ffn
     with impl = this kernel's mode; schemes: activation rounding for gate, up, down)."""
     from pantheon.pallas import moe_q3k
 
-    return moe_q3k.moe_ffn(x, router_logits, top_k, gate, up, down, impl=kernel_mode("moe_q3k", backend),
+    return moe_q3k.moe_ffn(x, router_logits, top_k, gate, up, down, impl=_mode("moe_q3k", backend, mode),
                            schemes=None if schemes is None else tuple(schemes))
+
+
+def deltanet(q, k, v, g, beta, state, lengths=None, backend: str | None = None, *, chunk: int = 64,
+             mode: str | None = None):
+    """Gated delta rule over a chunk of tokens: q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H],
+    state [B, H, Dk, Dv], lengths int [B] or None -> (out [B, T, H, Dv], new state), both float32
+    (pantheon.pallas.deltanet.gated_delta_rule with `chunk`, or gated_delta_rule_reference)."""
+    from pantheon.pallas import deltanet as dn
+
+    mode = _mode("deltanet", backend, mode)
+    if mode == "reference":
+        return dn.gated_delta_rule_reference(q, k, v, g, beta, state, lengths)
+    return dn.gated_delta_rule(q, k, v, g, beta, state, lengths, chunk=chunk, interpret=interpret_flag(mode))
+
+
+def deltanet_step(q, k, v, g, beta, state_cache, slots, backend: str | None = None, *, mode: str | None = None):
+    """One decode token per row against the slot-indexed SSM state: q, k [B, H, Dk], v [B, H, Dv],
+    g, beta [B, H], state_cache float32 [N_slots, H, Dk, Dv], slots int [B] -> (out [B, H, Dv]
+    float32, updated state_cache) (gated_delta_rule_step, in place, or its reference). Same
+    "deltanet" mode as the prefill entry point."""
+    from pantheon.pallas import deltanet as dn
+
+    mode = _mode("deltanet", backend, mode)
+    if mode == "reference":
+        return dn.gated_delta_rule_step_reference(q, k, v, g, beta, state_cache, slots)
+    return dn.gated_delta_rule_step(q, k, v, g, beta, state_cache, slots, interpret=interpret_flag(mode))

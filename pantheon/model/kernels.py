@@ -1,0 +1,82 @@
+"""Which kernel implementation each model program runs, and the attention step both models share.
+
+Every layer program (llama `block`, qwen35moe `attn_block` / `ssm_block`) takes a static argument
+`kernels`: a sorted tuple of (kernel name, mode) pairs, one per pantheon.pallas.dispatch kernel the
+program calls, mode "reference", "interpret" or "pallas". `forward` resolves it with `choose` before
+each call (dispatch.kernel_mode: GPU -> pallas, else reference, PANTHEON_KERNELS overrides) and the
+program hands each mode to its dispatch entry point. So:
+
+* the choice is visible: it is in the program's static arguments (the `static` dict the runner's
+  `call` receives), which a residency counter can report per program class;
+* it is part of the jit cache key: changing PANTHEON_KERNELS traces new programs instead of
+  silently reusing ones traced under the old setting;
+* a kernel that cannot run a model's shapes (head_dim not a power of 2 in [16, 512], a cache
+  under 16 positions or over 2**31 elements) is recorded as "reference" for that model instead of
+  failing: the record says what runs.
+
+The decode kernel reads each row's slot in place up to its length, so decode programs on a kernel
+path are traced with kv_len = the cache length (`program_kv_len`): one executable for every
+kv_len bucket the runner keys them by. The reference path keeps the bucket's kv_len.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from pantheon.pallas import dispatch
+
+ATTENTION_PREFILL, ATTENTION_DECODE, MOE_Q3K = "attention_prefill", "attention_decode", "moe_q3k"
+Kernels = tuple[tuple[str, str], ...]
+
+
+def attention_kernel(t: int) -> str:
+    """The attention kernel of a program with t queries per row: one token is a decode step."""
+    return ATTENTION_DECODE if t == 1 else ATTENTION_PREFILL
+
+
+def attention_supported(name: str, head_dim: int, cache_shape: tuple[int, ...]) -> bool:
+    """Whether the Pallas attention kernel `name` runs these shapes (pantheon.pallas.attention)."""
+    if not (16 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0):
+        return False
+    if name == ATTENTION_DECODE:
+        return cache_shape[1] >= 16 and math.prod(cache_shape) < 2 ** 31
+    return True
+
+
+def choose(wanted: dict[str, bool]) -> Kernels:
+    """{kernel name: whether its Pallas kernel runs this program's shapes} -> the static `kernels`
+    argument: dispatch's mode per kernel, "reference" where the kernel cannot run the shapes."""
+    return tuple(sorted((name, dispatch.kernel_mode(name) if ok else "reference") for name, ok in wanted.items()))
+
+
+def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels) -> jax.Array:
+    """Causal GQA attention of this step's queries against the slot cache (already holding this
+    step's keys/values). q: [B, T, H, D]; caches [N_slots, C, K, D]; positions int32 [B, T]
+    absolute; slots int32 [B]. Returns [B, T, H, D] in q's dtype.
+
+    T == 1 (decode): dispatch.attention_decode reads each row's slot in place, up to its position
+    (the reference gathers the first kv_len positions). Otherwise dispatch.attention_prefill on the
+    first kv_len positions of the rows' slots."""
+    modes = dict(kernels)
+    if q.shape[1] == 1:
+        out = dispatch.attention_decode(q[:, 0], k_cache, v_cache, slots, positions[:, 0] + 1, kv_len=kv_len,
+                                        mode=modes[ATTENTION_DECODE])
+        return out[:, None]
+    keys = k_cache[slots, :kv_len].astype(q.dtype)  # [B, S, K, D]
+    values = v_cache[slots, :kv_len].astype(q.dtype)
+    return dispatch.attention_prefill(q, keys, values, positions, mode=modes[ATTENTION_PREFILL])
+
+
+def attention_modes(t: int, head_dim: int, cache_shape: tuple[int, ...]) -> dict[str, bool]:
+    """The attention entry of `choose`'s argument for a program with t queries per row."""
+    name = attention_kernel(t)
+    return {name: attention_supported(name, head_dim, tuple(cache_shape))}
+
+
+def program_kv_len(kernels: Kernels, kv_len: int, ctx: int) -> int:
+    """The static kv_len a program is traced with. The in-place decode kernel reads each row's cache
+    up to its length whatever kv_len is, so its programs all take the cache length: the runner's
+    per-kv_len program keys then share one trace and executable instead of compiling one per bucket."""
+    return ctx if dict(kernels).get(ATTENTION_DECODE, "reference") != "reference" else kv_len
