@@ -27,7 +27,7 @@ import jax
 
 from pantheon.pallas import dispatch
 
-ATTENTION_PREFILL, ATTENTION_DECODE, MOE_Q3K = "attention_prefill", "attention_decode", "moe_q3k"
+ATTENTION_PREFILL, ATTENTION_DECODE, MOE_Q3K, DELTANET = "attention_prefill", "attention_decode", "moe_q3k", "deltanet"
 Kernels = tuple[tuple[str, str], ...]
 
 

@@ -45,7 +45,7 @@ from pantheon.model.spec import ROPE_NEOX, HybridSpec
 from pantheon.model.state import HybridState, allocate_hybrid_state
 from pantheon.model.weights import load_tensor
 from pantheon.pallas import dispatch
-from pantheon.pallas.deltanet import gated_delta_rule_reference
+from pantheon.pallas.deltanet import kernel_supports
 from pantheon.pallas.moe_q3k import Q3KPlanes, q3k_planes_from_blocks, route
 
 # ---- weights --------------------------------------------------------------------------------------
@@ -163,8 +163,12 @@ def _causal_conv(prev, x, taps, lengths):
     return jax.nn.silu(out), jnp.take_along_axis(window, keep[..., None], axis=1)
 
 
-def _deltanet(w, conv_state, ssm_state, h, positions, slots, lengths, spec: HybridSpec, num: Numerics):
-    """Gated DeltaNet mixer (SPEC §4). h: [B, T, E]. Returns (out [B, T, E], conv_state, ssm_state)."""
+def _deltanet(w, conv_state, ssm_state, h, positions, slots, lengths, spec: HybridSpec, num: Numerics,
+              kernels: kern.Kernels):
+    """Gated DeltaNet mixer (SPEC §4). h: [B, T, E]. Returns (out [B, T, E], conv_state, ssm_state).
+    The delta rule runs through dispatch: a decode step updates each row's slot of the state cache in
+    place (rows there are never at position 0: prefill starts every sequence); a prefill chunk runs
+    from the gathered (or, at position 0, zero) state and is scattered back."""
     b, t, _ = h.shape
     nk, nv, d = spec.ssm_n_group, spec.ssm_dt_rank, spec.ssm_d_state
     mixed = linear(h, w["w_qkv"], num.scheme("w_qkv"))  # [B, T, C]: q | k | v channels, before the conv
@@ -183,11 +187,19 @@ def _deltanet(w, conv_state, ssm_state, h, positions, slots, lengths, spec: Hybr
     k = _l2_norm(k.reshape(b, t, nk, d), spec.rms_eps)
     # The converter orders value heads so that value head j reads key head j mod nk: tile, not repeat.
     q, k = jnp.tile(q, (1, 1, nv // nk, 1)), jnp.tile(k, (1, 1, nv // nk, 1))  # [B, T, Hv, Dk]
-    o, s_new = gated_delta_rule_reference(q, k, v.reshape(b, t, nv, d), g, beta, s0, lengths)
+    v = v.reshape(b, t, nv, d)
+    mode = dict(kernels).get(kern.DELTANET, "reference")
+    if t == 1:
+        o, ssm_state = dispatch.deltanet_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_state, slots,
+                                              mode=mode)
+        o = o[:, None]
+    else:
+        o, s_new = dispatch.deltanet(q, k, v, g, beta, s0, lengths, chunk=16 if t <= 16 else 64, mode=mode)
+        ssm_state = ssm_state.at[slots].set(s_new)
 
     y = rms_norm(o, w["ssm_norm"], spec.rms_eps) * jax.nn.silu(z)  # norm first, then gate
     out = linear(y.reshape(b, t, nv * d), w["w_out"], num.scheme("w_out"))
-    return out, conv_state.at[slots].set(conv_new), ssm_state.at[slots].set(s_new)
+    return out, conv_state.at[slots].set(conv_new), ssm_state
 
 
 def _attention(w, k_cache, v_cache, h, positions, slots, spec: HybridSpec, num: Numerics, kv_len: int,
@@ -289,9 +301,9 @@ def attn_block(w, k_cache, v_cache, x, positions, slots, *, spec: HybridSpec, nu
 def ssm_block(w, conv_state, ssm_state, x, positions, slots, logit_index, *, spec: HybridSpec, numerics: Numerics,
               kernels: kern.Kernels):
     """Gated DeltaNet layer. Row b's tokens after logit_index[b] are padding and leave its state alone.
-    kernels: with Q3_K experts, the moe_q3k mode (`layer_kernels`)."""
+    kernels: the deltanet mode and, with Q3_K experts, the moe_q3k mode (`layer_kernels`)."""
     a, conv_state, ssm_state = _deltanet(w, conv_state, ssm_state, rms_norm(x, w["attn_norm"], spec.rms_eps),
-                                         positions, slots, logit_index + 1, spec, numerics)
+                                         positions, slots, logit_index + 1, spec, numerics, kernels)
     return _ffn(w, x + a, spec, numerics, kernels), conv_state, ssm_state
 
 
@@ -308,7 +320,10 @@ def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Nume
 def layer_kernels(spec: HybridSpec, params, state: HybridState, t: int) -> dict[str, kern.Kernels]:
     """The static `kernels` of "attn_block" and "ssm_block" for t tokens per row (model/kernels.py)."""
     moe = {kern.MOE_Q3K: _moe_supported(params["layers"][0])} if _has_q3k_experts(params) else {}
-    out = {"ssm_block": kern.choose(moe)}
+    out = {}
+    if state.ssm:
+        d = spec.ssm_d_state
+        out["ssm_block"] = kern.choose({**moe, kern.DELTANET: kernel_supports(d, d, tuple(state.ssm[0].shape))})
     if state.k:
         out["attn_block"] = kern.choose({**kern.attention_modes(t, spec.head_dim, state.k[0].shape), **moe})
     return out

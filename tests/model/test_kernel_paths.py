@@ -50,9 +50,10 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_q3k(tmp_path_factory):
-    """2 layers (DeltaNet + attention), 4 experts top-2, Q3_K experts (256 wide), head_dim 16."""
+    """2 layers (DeltaNet + attention), 4 experts top-2, Q3_K experts (256 wide), head_dim 16,
+    DeltaNet state 32 (the smallest the DeltaNet kernel runs)."""
     return write_tiny_qwen35moe(tmp_path_factory.mktemp("kp") / "q35.gguf", expert_type=Q.Q3_K, seed=3, n_layer=2,
-                                full_attention_interval=2, **Q3K_SHAPES)
+                                full_attention_interval=2, d_state=32, **Q3K_SHAPES)
 
 
 class Spy:
@@ -130,8 +131,8 @@ def test_tiny_qwen35moe_q3k_interpreted_kernels_equal_reference(tiny_q3k, monkey
     assert counts.get("_gmm_padded", 0) >= 3 * 2  # gate, up, down x prefill/decode (both layer kinds share a trace)
     assert seen["attn_block"] == {(("attention_prefill", "interpret"), ("moe_q3k", "interpret")),
                                   (("attention_decode", "interpret"), ("moe_q3k", "interpret"))}
-    assert seen["ssm_block"] == {(("moe_q3k", "interpret"),)}
-    assert ref_seen["ssm_block"] == {(("moe_q3k", "reference"),)}
+    assert seen["ssm_block"] == {(("deltanet", "interpret"), ("moe_q3k", "interpret"))}
+    assert ref_seen["ssm_block"] == {(("deltanet", "reference"), ("moe_q3k", "reference"))}
 
 
 def test_kernel_choice_follows_the_environment(monkeypatch):
@@ -185,7 +186,7 @@ def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
     assert qwen35moe.route is moe_q3k.route and not hasattr(qwen35moe, "_route")
     monkeypatch.setenv(dispatch.ENV, "reference")
     fused = write_tiny_qwen35moe(tmp_path / "fused.gguf", expert_type=Q.Q3_K, seed=3, n_layer=2,
-                                 full_attention_interval=2, fused_gate_up=True, **Q3K_SHAPES)
+                                 full_attention_interval=2, fused_gate_up=True, d_state=32, **Q3K_SHAPES)
 
     def logits(path, planes=True):
         g = open_gguf(path)
