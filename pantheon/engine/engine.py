@@ -110,6 +110,8 @@ class Engine:
         out: dict[int, int] = {}
         leaves = jax.tree_util.tree_leaves((self.runner.params, self.runner.cache, self.runner.sampler_state))
         for a in leaves:
+            if not isinstance(a, jax.Array):  # host-resident KV (the allocation fallback)
+                continue
             for shard in a.addressable_shards:
                 out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
         return out

@@ -6,26 +6,110 @@ known: batch in DECODE_BUCKETS, prefill chunk in CHUNK_BUCKETS, attended cache l
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pantheon.engine.faults import FAULTS
 from pantheon.engine.graphs import GraphKey, GraphRegistry
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 from pantheon.model.family import family_of
-from pantheon.model.sharding import KV_CACHE
 from pantheon.model.numerics import Numerics
+from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 CHUNK_BUCKETS = (16, 64, 256, 512)
 MIN_KV_BUCKET = 128
+
+
+KV_RETRY_BUDGET_ENV = "PN_KV_RETRY_BUDGET"
+
+
+class AttentionResidency:
+    """Where each attention layer's KV lives, and the contract's `attention` counters.
+
+    A layer whose device KV allocation fails (out of memory, or an injected `kv_alloc` fault) keeps
+    its KV in host memory and attends there (llama.forward's host path: same tokens, slower). The
+    allocation is retried on a bounded backoff (PN_KV_RETRY_BUDGET tries, default 5); on success
+    the host rows move to the device and the layer is on-die again. A layer whose KV cannot fit
+    its die at all is `impossible` and is not retried. Dense models only: the hybrid model's
+    attention layers always hold device KV."""
+
+    def __init__(self, runner: "ModelRunner", backoff_s: float = 1.0):
+        import os
+
+        self.runner, self.backoff_s = runner, backoff_s
+        self.budget = int(os.environ.get(KV_RETRY_BUDGET_ENV, "5"))
+        self.failures: dict[int, int] = {}  # host layer -> failed allocations
+        self.next_retry: dict[int, float] = {}
+        self.gave_up: set[int] = set()
+        self.impossible: set[int] = set()
+        self.host_engagements = 0
+        self.ring_alloc_failures = 0
+        if runner.family.can_truncate:  # dense: every layer's KV is its own buffer pair
+            for layer in range(len(runner.cache.k)):
+                if FAULTS.take("kv_alloc"):
+                    self._to_host(layer)
+
+    @property
+    def layers(self) -> int:
+        return len(self.runner.cache.k)
+
+    def host_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.runner.cache.k) if isinstance(k, np.ndarray)]
+
+    def _to_host(self, layer: int) -> None:
+        cache = self.runner.cache
+        host_k = np.zeros(cache.k[layer].shape, np.float32)
+        host_v = np.zeros(cache.v[layer].shape, np.float32)
+        cache.k[layer], cache.v[layer] = host_k, host_v  # the device buffers are dropped
+        self.host_engagements += 1
+        self._failed(layer)
+
+    def _failed(self, layer: int) -> None:
+        self.ring_alloc_failures += 1
+        n = self.failures[layer] = self.failures.get(layer, 0) + 1
+        self.next_retry[layer] = time.monotonic() + self.backoff_s * 2 ** (n - 1)
+        if n > self.budget:
+            self.gave_up.add(layer)
+
+    def retry_due(self) -> None:
+        """Try to move host layers back to the device (the device thread calls this between steps)."""
+        now = time.monotonic()
+        cache = self.runner.cache
+        for layer in self.host_layers():
+            if layer in self.gave_up or now < self.next_retry.get(layer, 0.0):
+                continue
+            try:
+                if FAULTS.take("kv_alloc"):
+                    raise MemoryError("injected KV allocation failure")
+                k = jax.device_put(cache.k[layer], self.runner.state_sharding)
+                v = jax.device_put(cache.v[layer], self.runner.state_sharding)
+            except Exception:  # noqa: BLE001 - any allocation failure keeps the host path
+                self._failed(layer)
+                continue
+            cache.k[layer], cache.v[layer] = k, v
+
+    def counters(self, operator: bool) -> dict:
+        host = len(self.host_layers())
+        out = {"ondie": self.layers - host, "host": host, "total": self.layers}
+        if operator or self.gave_up:
+            out["gave_up"] = len(self.gave_up)
+        if operator or self.impossible:
+            out["impossible"] = len(self.impossible)
+        if operator:
+            out["host_engagements"] = self.host_engagements
+            out["ring_alloc_failures"] = self.ring_alloc_failures
+            if host:
+                out["reasons"] = {"ring_alloc_failed": host}
+        return out
 
 
 def graph_class(kind: str, program: str, batch: int) -> str:
@@ -67,6 +151,8 @@ class ModelRunner:
             state_sharding = sampler_sharding = (jax.sharding.SingleDeviceSharding(device)
                                                  if device is not None else None)
         self.cache = self.family.allocate_state(spec, n_slots, ctx, sharding=state_sharding)
+        self.state_sharding = state_sharding
+        self.attention = AttentionResidency(self)
         self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), sampler_sharding)
         self.scratch = n_slots  # the extra cache slot padded rows write to
 

@@ -185,6 +185,7 @@ class Scheduler:
             self._last_reap = now
             self.table.reap()
             self.runner.registry.retry_due()
+            self.runner.attention.retry_due()
         prefilling = [s for s in self.running if s.prefilling]
         if prefilling:
             with TraceAnnotation("prefill_chunk", slot=prefilling[0].slot.index):

@@ -18,8 +18,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pantheon.model import kernels as kern
+from pantheon.model.host_attention import host_attend
 from pantheon.model.layers import linear, rms_norm, rope, swiglu
 from pantheon.model.numerics import Numerics, quantize_activations
 from pantheon.model.spec import ModelSpec
@@ -32,13 +34,8 @@ def embed(table, tokens, *, spec: ModelSpec):
     return table[tokens] * spec.embed_scale
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels"), donate_argnames=("k_cache", "v_cache"))
-def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
-          kernels: kern.Kernels):
-    """One transformer block. x: [B, T, E]; k_cache/v_cache: this layer's [slots+1, C, K, D];
-    positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions.
-    kernels: the attention kernel's mode (`block_kernels`)."""
-    num = numerics
+def _project(w, x, positions, spec: ModelSpec, num: Numerics):
+    """Attention inputs: q [B, T, H, D], k and v [B, T, K, D], rotated at their absolute positions."""
     b, t, _ = x.shape
     h = rms_norm(x, w["attn_norm"], spec.rms_eps)
     q = linear(h, w["wq"], num.scheme("wq")).reshape(b, t, spec.n_head, spec.head_dim)
@@ -53,19 +50,44 @@ def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics
         k = rms_norm(k, w["k_norm"], spec.rms_eps)
     q = rope(q, positions, spec.rope_base, spec.rope_dim, spec.rope_style)
     k = rope(k, positions, spec.rope_base, spec.rope_dim, spec.rope_style)
+    return q, k, v
 
+
+def _tail(w, x, attn, spec: ModelSpec, num: Numerics):
+    """Attention output projection, residual, and the SwiGLU FFN. attn: [B, T, H, D]."""
+    b, t, _ = x.shape
+    x = x + spec.residual_scale * linear(attn.reshape(b, t, -1).astype(x.dtype), w["wo"], num.scheme("wo"))
+    h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
+    schemes = tuple(num.scheme(key) for key in ("w_gate", "w_up", "w_down"))
+    return x + spec.residual_scale * swiglu(h, w["w_gate"], w["w_up"], w["w_down"], schemes)
+
+
+@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels"), donate_argnames=("k_cache", "v_cache"))
+def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
+          kernels: kern.Kernels):
+    """One transformer block. x: [B, T, E]; k_cache/v_cache: this layer's [slots+1, C, K, D];
+    positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions.
+    kernels: the attention kernel's mode (`block_kernels`)."""
+    q, k, v = _project(w, x, positions, spec, numerics)
     # Write this chunk's keys/values at their absolute positions, then attend over the first kv_len.
     # Positions past the cache (padding of a final chunk) are dropped.
     rows = slots[:, None]
     k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
     attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels)
-    x = x + spec.residual_scale * linear(attn.reshape(b, t, -1), w["wo"], num.scheme("wo"))
+    return _tail(w, x, attn, spec, numerics), k_cache, v_cache
 
-    h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
-    schemes = tuple(num.scheme(key) for key in ("w_gate", "w_up", "w_down"))
-    x = x + spec.residual_scale * swiglu(h, w["w_gate"], w["w_up"], w["w_down"], schemes)
-    return x, k_cache, v_cache
+
+# The host fallback: a layer whose KV buffers could not be allocated on the device keeps them in host
+# memory (numpy); its block runs as project (device) -> attention (host) -> tail (device).
+@partial(jax.jit, static_argnames=("spec", "numerics"))
+def attn_project(w, x, positions, *, spec: ModelSpec, numerics: Numerics):
+    return _project(w, x, positions, spec, numerics)
+
+
+@partial(jax.jit, static_argnames=("spec", "numerics"))
+def attn_tail(w, x, attn, *, spec: ModelSpec, numerics: Numerics):
+    return _tail(w, x, attn, spec, numerics)
 
 
 @partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
@@ -100,8 +122,14 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
     ks, vs = list(cache.k), list(cache.v)
     kernels = block_kernels(spec, cache, tokens.shape[1])
     static = dict(spec=spec, numerics=numerics, kv_len=kern.program_kv_len(kernels, kv_len, cache.ctx), kernels=kernels)
+    plain = dict(spec=spec, numerics=numerics)
     for i, w in enumerate(params["layers"]):
-        x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), static)
+        if isinstance(ks[i], np.ndarray):  # this layer's KV lives on the host
+            q, k, v = call("attn_project", attn_project, (w, x, positions), plain)
+            attn = host_attend(q, k, v, ks[i], vs[i], positions, slots)
+            x = call("attn_tail", attn_tail, (w, x, attn), plain)
+        else:
+            x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), static)
     table = params["embed"] if spec.tied_embeddings else params["output"]
     logits = call("head", head, (table, params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits))

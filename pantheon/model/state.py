@@ -127,9 +127,17 @@ def _write_row(buf, slot, row):
     return jax.lax.dynamic_update_slice(buf, row[None].astype(buf.dtype), (slot,) + (0,) * (buf.ndim - 1))
 
 
+def _install(buf, slot: int, row):
+    if isinstance(buf, np.ndarray):  # a host-resident layer (the KV allocation fallback)
+        buf[slot] = 0
+        buf[slot, :row.shape[0]] = row
+        return buf
+    return _write_row(buf, slot, row)
+
+
 def import_slot(state, slot: int, arrays: dict):
     """Install exported arrays into `slot` (shapes already validated by the caller)."""
-    updates = {name: [_write_row(buf, slot, arrays[f"{name}.{i}"]) for i, buf in enumerate(bufs)]
+    updates = {name: [_install(buf, slot, arrays[f"{name}.{i}"]) for i, buf in enumerate(bufs)]
                for name, bufs in _buffers(state)}
     return dataclasses.replace(state, **updates)
 

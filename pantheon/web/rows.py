@@ -22,16 +22,17 @@ def _graphs(engine, operator: bool) -> dict | None:
 
 
 def _attention(engine, operator: bool) -> dict | None:
-    """Every attention layer runs inside the compiled device program; there is no host-softmax
-    fallback path, so `host` is 0 once the forward has reached the attention layers."""
-    if not set(engine.runner.family.kv_programs) & engine.registry.programs():
+    """Omitted until the forward has reached an attention layer (see runner.AttentionResidency)."""
+    if not (set(engine.runner.family.kv_programs) | {"attn_project"}) & engine.registry.programs():
         return None
     recurrent = getattr(engine.spec, "recurrent", None)
-    n = engine.spec.n_layer if recurrent is None else sum(not r for r in recurrent)
-    out = {"ondie": n, "host": 0, "total": n}
-    if operator:
-        out.update(gave_up=0, impossible=0, host_engagements=0, ring_alloc_failures=0)
-    return out
+    if recurrent is not None:  # hybrid: its attention layers hold device KV (no host path)
+        n = sum(not r for r in recurrent)
+        out = {"ondie": n, "host": 0, "total": n}
+        if operator:
+            out.update(gave_up=0, impossible=0, host_engagements=0, ring_alloc_failures=0)
+        return out
+    return engine.runner.attention.counters(operator)
 
 
 def public_row(entry: ModelEntry) -> dict:

@@ -1,0 +1,31 @@
+"""Causal GQA attention on the host (numpy, float32): the fallback for a layer whose KV buffers
+could not be allocated on the device. Same math as pantheon.pallas.attention.attention_reference."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, slots) -> np.ndarray:
+    """q [B, T, H, D], k/v [B, T, K, D] (device or host arrays); caches [slots+1, C, K, D] numpy,
+    updated in place at the rows' positions (positions past C are dropped). Returns [B, T, H, D]."""
+    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+    positions, slots = np.asarray(positions), np.asarray(slots)
+    b, t, h, d = q.shape
+    n_kv, ctx = k.shape[2], k_cache.shape[1]
+    out = np.zeros_like(q)
+    for row in range(b):
+        pos, slot = positions[row], slots[row]
+        keep = pos < ctx
+        k_cache[slot, pos[keep]] = k[row, keep]
+        v_cache[slot, pos[keep]] = v[row, keep]
+        s = int(pos.max()) + 1 if keep.any() else 0
+        keys, values = k_cache[slot, :s], v_cache[slot, :s]  # [S, K, D]
+        qg = q[row].reshape(t, n_kv, h // n_kv, d)
+        scores = np.einsum("tkgd,skd->tkgs", qg, keys) / np.sqrt(d)
+        scores = np.where(np.arange(s)[None, None, None, :] <= pos[:, None, None, None], scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[row] = np.einsum("tkgs,skd->tkgd", probs, values).reshape(t, h, d)
+    return out
