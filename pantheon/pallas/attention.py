@@ -99,6 +99,21 @@ def _check_attention_args(q, k, v, q_pos, what):
     return b, t, h, d
 
 
+def _online_softmax_step(acc, m, l, s, mask, v, v_rows, prec):
+    """One key block of the online softmax: scores s [R, bk] (float32, scaled) where `mask` [R or 1,
+    bk] holds, values v [bk, D] where v_rows [1, bk] holds (other rows are zeroed: padding or
+    unwritten cache may hold NaN); running (acc [R, D], max m [R], sum l [R]) -> the updated triple."""
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    l = l * corr + jnp.sum(p, axis=1)
+    v = jnp.where(v_rows.reshape(v.shape[0], 1), v, jnp.zeros((), v.dtype))
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                         preferred_element_type=jnp.float32)
+    return acc * corr[:, None] + pv, m_new, l
+
+
 # ---- prefill: flash attention ---------------------------------------------------------------------
 def _flash_kernel(qpos_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, kv_len: int, scale: float):
     """One (b, h, query block): qpos_ref [bq] int32, q_ref [bq, D], k_ref/v_ref [S_pad, D], o_ref [bq, D]."""
@@ -119,16 +134,8 @@ def _flash_kernel(qpos_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, kv_len:
         mask = (kpos <= qp[:, None]) & (kpos < kv_len)  # [bq, bk]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * corr + jnp.sum(p, axis=1)
         row_ok = (kpos <= last) & (kpos < kv_len)  # [1, bk]: rows some query here can see
-        v = jnp.where(row_ok.reshape(block_k, 1), v, jnp.zeros((), v.dtype))
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)
-        return acc * corr[:, None] + pv, m_new, l
+        return _online_softmax_step(acc, m, l, s, mask, v, row_ok, prec)
 
     init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _M_INIT, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
@@ -253,15 +260,7 @@ def _decode_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref
         valid = (kpos >= start) & (kpos < hi)  # [1, bk]
         s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale  # [Gp, bk]
-        s = jnp.where(valid, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * corr + jnp.sum(p, axis=1)
-        v = jnp.where(valid.reshape(block_k, 1), v.astype(q.dtype), jnp.zeros((), q.dtype))
-        pv = lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)
-        return acc * corr[:, None] + pv, m_new, l
+        return _online_softmax_step(acc, m, l, s, valid, v.astype(q.dtype), valid, prec)
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _M_INIT, jnp.float32),
             jnp.zeros((gp,), jnp.float32))

@@ -21,22 +21,6 @@ from pantheon.pallas.attention import (attention_reference, decode_attention, de
 F32_TOL = 5e-5
 
 
-class _Rng:
-    """np.random.default_rng() with a fresh seed, remembered for failure messages."""
-
-    def __init__(self):
-        self.seed = np.random.SeedSequence().entropy
-        self._gen = np.random.default_rng(self.seed)
-
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-
-@pytest.fixture
-def rng():
-    return _Rng()
-
-
 def _normal(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 

@@ -28,22 +28,6 @@ reference = jax.jit(gated_delta_rule_reference)
 step_reference = jax.jit(gated_delta_rule_step_reference)
 
 
-class _Rng:
-    """np.random.default_rng() with a fresh seed, remembered for failure messages."""
-
-    def __init__(self):
-        self.seed = np.random.SeedSequence().entropy
-        self._gen = np.random.default_rng(self.seed)
-
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-
-@pytest.fixture
-def rng():
-    return _Rng()
-
-
 def _unit(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 

@@ -25,22 +25,6 @@ from pantheon.pallas.moe_q3k import (PLANE_BYTES, Q3KPlanes, dequantize_planes, 
 F32_REL = 2e-6
 
 
-class _Rng:
-    """np.random.default_rng() with a fresh seed, remembered for failure messages."""
-
-    def __init__(self):
-        self.seed = np.random.SeedSequence().entropy
-        self._gen = np.random.default_rng(self.seed)
-
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-
-@pytest.fixture
-def rng():
-    return _Rng()
-
-
 def _q3k(rng, e, n, k, scale=1.0):
     """Random Q3_K weights [E, N, K] -> (raw GGUF blocks, planes, float64 dequantised)."""
     w = (rng.standard_normal((e, n, k)) * scale).astype(np.float32)

@@ -145,17 +145,34 @@ def _tool_lines(specs: list[ToolSpec]) -> str:
 
 
 class Dialect:
-    """Base class. Subclasses set `name` and implement the render methods; the streaming scanner
-    (`scan_*`) lives in parse.py and is looked up by `name`."""
+    """Base class. Subclasses set `name` and `call_instructions` and implement `render_call`; the
+    streaming scanner (`scan_*`) lives in parse.py and is looked up by `name`."""
     name = "base"
     # literal text the server may see starting a call, used by the `auto` grammar trigger
     call_openers: tuple[str, ...] = ()
 
+    # what follows the tool list in the system prompt: how to write a call in this dialect
+    call_instructions: str = ""
+    # what stands between two calls of one assistant turn
+    call_separator = "\n"
+
     def render_tools_system(self, tools, existing_system: str | None) -> str:
+        if not self.call_instructions:
+            raise NotImplementedError
+        block = (
+            "# Tools\n\n"
+            "You can call the functions described below. Each line inside <tools></tools> is one "
+            "function, given as a JSON schema:\n"
+            f"<tools>\n{_tool_lines(normalize_tools(tools))}\n</tools>\n\n"
+            + self.call_instructions
+        )
+        return self._merge_system(block, existing_system)
+
+    def render_call(self, name: str, args: Mapping) -> str:
         raise NotImplementedError
 
     def render_assistant_tool_calls(self, tool_calls) -> str:
-        raise NotImplementedError
+        return self.call_separator.join(self.render_call(*call_arguments(c)) for c in tool_calls or ())
 
     def render_tool_result(self, message: Mapping) -> str:
         content = message.get("content", "")
@@ -179,26 +196,19 @@ class QwenXmlDialect(Dialect):
     name = "qwen_xml"
     call_openers = ("<tool_call>",)
 
-    def render_tools_system(self, tools, existing_system: str | None) -> str:
-        specs = normalize_tools(tools)
-        block = (
-            "# Tools\n\n"
-            "You can call the functions described below. Each line inside <tools></tools> is one "
-            "function, given as a JSON schema:\n"
-            f"<tools>\n{_tool_lines(specs)}\n</tools>\n\n"
-            "To call a function, write this block, and nothing after it:\n\n"
-            "<tool_call>\n<function=FUNCTION_NAME>\n<parameter=PARAMETER_NAME>\nvalue\n</parameter>\n"
-            "</function>\n</tool_call>\n\n"
-            "Rules for calls:\n"
-            "- One <parameter=...> block per argument. Put the value on its own lines between the "
-            "tags: plain text for strings (no quotes, no escaping, several lines are fine), JSON for "
-            "numbers, booleans, null, arrays and objects.\n"
-            "- Always give every required parameter, and only parameters the function defines.\n"
-            "- To call several functions, write one <tool_call> block per call, one after another.\n"
-            "- You may explain what you are about to do before the first call, never after the last.\n"
-            "- If no function fits the request, answer the user directly without any <tool_call>."
-        )
-        return self._merge_system(block, existing_system)
+    call_instructions = (
+        "To call a function, write this block, and nothing after it:\n\n"
+        "<tool_call>\n<function=FUNCTION_NAME>\n<parameter=PARAMETER_NAME>\nvalue\n</parameter>\n"
+        "</function>\n</tool_call>\n\n"
+        "Rules for calls:\n"
+        "- One <parameter=...> block per argument. Put the value on its own lines between the "
+        "tags: plain text for strings (no quotes, no escaping, several lines are fine), JSON for "
+        "numbers, booleans, null, arrays and objects.\n"
+        "- Always give every required parameter, and only parameters the function defines.\n"
+        "- To call several functions, write one <tool_call> block per call, one after another.\n"
+        "- You may explain what you are about to do before the first call, never after the last.\n"
+        "- If no function fits the request, answer the user directly without any <tool_call>."
+    )
 
     def render_call(self, name: str, args: Mapping) -> str:
         parts = [f"<tool_call>\n<function={name}>\n"]
@@ -206,9 +216,6 @@ class QwenXmlDialect(Dialect):
             parts.append(f"<parameter={k}>\n{_value_text(v)}\n</parameter>\n")
         parts.append("</function>\n</tool_call>")
         return "".join(parts)
-
-    def render_assistant_tool_calls(self, tool_calls) -> str:
-        return "\n".join(self.render_call(*call_arguments(c)) for c in tool_calls or ())
 
 
 def _cdata_if_needed(text: str) -> str:
@@ -226,26 +233,20 @@ def xml_attr(text: str) -> str:
 class MiniCpmXmlDialect(Dialect):
     name = "minicpm_xml"
     call_openers = ('<function name="',)
+    call_separator = ""
 
-    def render_tools_system(self, tools, existing_system: str | None) -> str:
-        specs = normalize_tools(tools)
-        block = (
-            "# Tools\n\n"
-            "You can call the functions described below. Each line inside <tools></tools> is one "
-            "function, given as a JSON schema:\n"
-            f"<tools>\n{_tool_lines(specs)}\n</tools>\n\n"
-            "How to call functions:\n"
-            "- Write the call as <function name=\"FUNCTION_NAME\"><param name=\"PARAMETER_NAME\">"
-            "value</param></function>, with one <param> per argument. Several calls simply follow "
-            "each other.\n"
-            "- Strings are written as plain text; numbers, booleans, null, arrays and objects as "
-            "JSON.\n"
-            "- If a value contains <, & or a line break, wrap it in a CDATA block: "
-            "<param name=\"PARAMETER_NAME\"><![CDATA[...value...]]></param>\n"
-            "- Always give every required parameter.\n"
-            "- If no function is needed, answer normally and do not write any <function> tag."
-        )
-        return self._merge_system(block, existing_system)
+    call_instructions = (
+        "How to call functions:\n"
+        "- Write the call as <function name=\"FUNCTION_NAME\"><param name=\"PARAMETER_NAME\">"
+        "value</param></function>, with one <param> per argument. Several calls simply follow "
+        "each other.\n"
+        "- Strings are written as plain text; numbers, booleans, null, arrays and objects as "
+        "JSON.\n"
+        "- If a value contains <, & or a line break, wrap it in a CDATA block: "
+        "<param name=\"PARAMETER_NAME\"><![CDATA[...value...]]></param>\n"
+        "- Always give every required parameter.\n"
+        "- If no function is needed, answer normally and do not write any <function> tag."
+    )
 
     def render_call(self, name: str, args: Mapping) -> str:
         parts = [f'<function name="{xml_attr(name)}">']
@@ -254,37 +255,24 @@ class MiniCpmXmlDialect(Dialect):
         parts.append("</function>")
         return "".join(parts)
 
-    def render_assistant_tool_calls(self, tool_calls) -> str:
-        return "".join(self.render_call(*call_arguments(c)) for c in tool_calls or ())
-
 
 class JsonDialect(Dialect):
     name = "json"
     call_openers = ('{"name": "',)
 
-    def render_tools_system(self, tools, existing_system: str | None) -> str:
-        specs = normalize_tools(tools)
-        block = (
-            "# Tools\n\n"
-            "You can call the functions described below. Each line inside <tools></tools> is one "
-            "function, given as a JSON schema:\n"
-            f"<tools>\n{_tool_lines(specs)}\n</tools>\n\n"
-            "To call a function, reply with one JSON object on its own line, exactly in this form:\n"
-            "{\"name\": \"FUNCTION_NAME\", \"arguments\": {\"PARAMETER_NAME\": value}}\n\n"
-            "Rules for calls:\n"
-            "- \"arguments\" is a JSON object that matches the function's parameter schema; give "
-            "every required parameter.\n"
-            "- To call several functions, write one object per line.\n"
-            "- You may explain what you are about to do before the first call, never after the last.\n"
-            "- If no function is needed, answer normally without such an object."
-        )
-        return self._merge_system(block, existing_system)
+    call_instructions = (
+        "To call a function, reply with one JSON object on its own line, exactly in this form:\n"
+        "{\"name\": \"FUNCTION_NAME\", \"arguments\": {\"PARAMETER_NAME\": value}}\n\n"
+        "Rules for calls:\n"
+        "- \"arguments\" is a JSON object that matches the function's parameter schema; give "
+        "every required parameter.\n"
+        "- To call several functions, write one object per line.\n"
+        "- You may explain what you are about to do before the first call, never after the last.\n"
+        "- If no function is needed, answer normally without such an object."
+    )
 
     def render_call(self, name: str, args: Mapping) -> str:
         return _dumps({"name": name, "arguments": dict(args)})
-
-    def render_assistant_tool_calls(self, tool_calls) -> str:
-        return "\n".join(self.render_call(*call_arguments(c)) for c in tool_calls or ())
 
 
 QWEN_XML = QwenXmlDialect()

@@ -475,43 +475,57 @@ class GrammarFactory:
             return "text", None
         return "json", self._args_schema(spec, sch)
 
-    def _param_seq(self, spec: ToolSpec, i: int, param_rule) -> tuple[str, list[str]]:
-        rules, parts = [], []
-        req = set(spec.required)
-        props = spec.properties
-        # required parameters the schema does not list under properties still have to be given
-        names = list(props) + [r for r in spec.required if r not in props]
-        for j, key in enumerate(names):
-            rname = f"p_{i}_{j}"
-            rules.append(f"{rname}: {param_rule(key, props.get(key))}")
-            parts.append(rname if key in req else f"{rname}?")
-        return " ".join(parts), rules
+    def _function_rules(self, rules: list[str], specs: list[ToolSpec], name: str, fn_head, param_rule) -> None:
+        """Append to `rules`, per tool i, its parameter rules `p_{i}_{j}` and `{name}_{i}: fn_head(spec)
+        params` (optional parameters marked `?`), then `{name}`, the choice among the tools.
+        param_rule(spec, key, schema) -> a parameter's rule body; it may append rules of its own to
+        `rules` first."""
+        alts = []
+        for i, spec in enumerate(specs):
+            prules, parts = [], []
+            req = set(spec.required)
+            props = spec.properties
+            # required parameters the schema does not list under properties still have to be given
+            names = list(props) + [r for r in spec.required if r not in props]
+            for j, key in enumerate(names):
+                rname = f"p_{i}_{j}"
+                prules.append(f"{rname}: {param_rule(spec, key, props.get(key))}")
+                parts.append(rname if key in req else f"{rname}?")
+            rules += prules
+            rules.append(f"{name}_{i}: {fn_head(spec)} {' '.join(parts)}")
+            alts.append(f"{name}_{i}")
+        rules.append(f"{name}: {' | '.join(alts)}")
+
+    @staticmethod
+    def _string_value(rules: list[str], sch: Any, bounded) -> str:
+        """The rule a string value matches: "sval", or under a maxLength n the rule named by
+        bounded(n) -> (name, rule text), appended to `rules` the first time."""
+        n = _max_length(sch)
+        if n is None:
+            return "sval"
+        name, rule = bounded(n)
+        if rule not in rules:
+            rules.append(rule)
+        return name
 
     def _qwen_rules(self, specs: list[ToolSpec], typed: bool):
         open_tag, close_tag = self._tag("<tool_call>"), self._tag("</tool_call>")
         rules = ["sval[lazy]: /(?s:.*)<\\/parameter>/ & ~/(?s:.*)(<parameter=|<\\/function>|<\\/tool_call>)(?s:.*)/"]
-        alts = []
-        for i, spec in enumerate(specs):
-            def param(key, sch, spec=spec):
-                kind, data = self._value_kind(spec, sch) if typed else ("text", None)
-                head = _lit(f"<parameter={key}>\n")
-                if kind == "enum":
-                    return f"{head} ({' | '.join(_lit(v) for v in data)}) {_lit(chr(10) + '</parameter>' + chr(10))}"
-                if kind == "json":
-                    return f"{head} %json{json.dumps(data, ensure_ascii=False)} {_lit(chr(10) + '</parameter>' + chr(10))}"
-                n = _max_length(sch)
-                if n is not None:  # at most n characters, then the newline before the close tag
-                    bounded = f"sval_{n}"
-                    if not any(r.startswith(bounded + "[") for r in rules):
-                        rules.append(f"{bounded}[lazy]: /(?s:.{{0,{n}}})\\n<\\/parameter>/ & "
-                                     "~/(?s:.*)(<parameter=|<\\/function>|<\\/tool_call>)(?s:.*)/")
-                    return f"{head} {bounded} \"\\n\""
-                return f"{head} sval \"\\n\""
-            seq, prules = self._param_seq(spec, i, param)
-            rules += prules
-            rules.append(f"fn_{i}: {_lit(f'<function={spec.name}>' + chr(10))} {seq}")
-            alts.append(f"fn_{i}")
-        rules.append(f"fn: {' | '.join(alts)}")
+
+        def bounded(n):  # at most n characters, then the newline before the close tag
+            return f"sval_{n}", (f"sval_{n}[lazy]: /(?s:.{{0,{n}}})\\n<\\/parameter>/ & "
+                                 "~/(?s:.*)(<parameter=|<\\/function>|<\\/tool_call>)(?s:.*)/")
+
+        def param(spec, key, sch):
+            kind, data = self._value_kind(spec, sch) if typed else ("text", None)
+            head = _lit(f"<parameter={key}>\n")
+            if kind == "enum":
+                return f"{head} ({' | '.join(_lit(v) for v in data)}) {_lit(chr(10) + '</parameter>' + chr(10))}"
+            if kind == "json":
+                return f"{head} %json{json.dumps(data, ensure_ascii=False)} {_lit(chr(10) + '</parameter>' + chr(10))}"
+            return f"{head} {self._string_value(rules, sch, bounded)} \"\\n\""
+
+        self._function_rules(rules, specs, "fn", lambda spec: _lit(f"<function={spec.name}>\n"), param)
         fn_end = _lit("</function>\n")
         rules.append(f"call: {open_tag} \"\\n\" fn ({fn_end} {close_tag}?)?")
         after_open = "\"\\n\" fn"
@@ -522,29 +536,22 @@ class GrammarFactory:
     def _minicpm_rules(self, specs: list[ToolSpec], typed: bool):
         rules = ['cdata: "<![CDATA[" cdata_rest', "cdata_rest[lazy]: /(?s:.*)\\]\\]>/",
                  "PLAIN: /[^<&]*/", "sval: cdata | PLAIN"]
-        alts = []
-        for i, spec in enumerate(specs):
-            def param(key, sch, spec=spec):
-                kind, data = self._value_kind(spec, sch) if typed else ("text", None)
-                head = _lit(f'<param name="{xml_attr(key)}">')
-                close = _lit("</param>")
-                if kind == "enum":
-                    vals = [v if not any(c in v for c in "<&\n") else f"<![CDATA[{v}]]>" for v in data]
-                    return f"{head} ({' | '.join(_lit(v) for v in vals)}) {close}"
-                if kind == "json":
-                    return f"{head} %json{json.dumps(data, ensure_ascii=False)} {close}"
-                n = _max_length(sch)
-                if n is not None:
-                    bounded = f"PLAIN_{n}"
-                    if not any(r.startswith(bounded + ":") for r in rules):
-                        rules.append(f"{bounded}: /[^<&]{{0,{n}}}/")
-                    return f"{head} {bounded} {close}"
-                return f"{head} sval {close}"
-            seq, prules = self._param_seq(spec, i, param)
-            rules += prules
-            rules.append(f"fnr_{i}: {_lit(xml_attr(spec.name) + chr(34) + '>')} {seq}")
-            alts.append(f"fnr_{i}")
-        rules.append(f"fnr: {' | '.join(alts)}")
+
+        def bounded(n):  # at most n plain characters (no CDATA)
+            return f"PLAIN_{n}", f"PLAIN_{n}: /[^<&]{{0,{n}}}/"
+
+        def param(spec, key, sch):
+            kind, data = self._value_kind(spec, sch) if typed else ("text", None)
+            head = _lit(f'<param name="{xml_attr(key)}">')
+            close = _lit("</param>")
+            if kind == "enum":
+                vals = [v if not any(c in v for c in "<&\n") else f"<![CDATA[{v}]]>" for v in data]
+                return f"{head} ({' | '.join(_lit(v) for v in vals)}) {close}"
+            if kind == "json":
+                return f"{head} %json{json.dumps(data, ensure_ascii=False)} {close}"
+            return f"{head} {self._string_value(rules, sch, bounded)} {close}"
+
+        self._function_rules(rules, specs, "fnr", lambda spec: _lit(xml_attr(spec.name) + '">'), param)
         open_lit = _lit('<function name="')
         rules.append(f"call: {open_lit} fnr {_lit('</function>')}?")
         tail = f"({_lit('</function>')} {_WS}?)?"
