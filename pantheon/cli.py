@@ -30,8 +30,21 @@ def cmd_generate(args) -> int:
     from pantheon.engine.sampler import SamplingParams
 
     engine = _load_engine(args)
-    prompt = args.prompt if args.raw else engine.render_chat([{"role": "user", "content": args.prompt}])
-    ids = engine.encode_prompt(prompt)
+    if args.tokens is not None:
+        try:
+            ids = [int(t) for t in json.loads(args.tokens)]
+        except (ValueError, TypeError):
+            print("pantheon: --tokens takes a JSON list of token ids", file=sys.stderr)
+            return 2
+        if not ids or not all(0 <= t < engine.spec.n_vocab for t in ids):
+            print(f"pantheon: --tokens must be a non-empty list of ids in [0, {engine.spec.n_vocab})", file=sys.stderr)
+            return 2
+    elif args.prompt is None:
+        print("pantheon: give a PROMPT or --tokens", file=sys.stderr)
+        return 2
+    else:
+        prompt = args.prompt if args.raw else engine.render_chat([{"role": "user", "content": args.prompt}])
+        ids = engine.encode_prompt(prompt)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               logprobs=args.json)  # token ids ride the logprob records
     request = GenerationRequest(ids, [sampling], args.max_tokens)
@@ -175,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="feed PROMPT as-is instead of one chat user message")
     g.add_argument("--json", action="store_true", help='print {"text", "tokens", "prompt_tokens"}')
-    g.add_argument("prompt")
+    g.add_argument("--tokens", help="a JSON list of prompt token ids, fed as-is (instead of PROMPT)")
+    g.add_argument("prompt", nargs="?")
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
