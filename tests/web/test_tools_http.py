@@ -150,3 +150,26 @@ def test_invalid_tools_are_400(tools_server):
     r = httpx.post(tools_server.url + "/v1/chat/completions", json={
         "model": "qwenish", "messages": MSG, "tools": [{"type": "function", "function": {"description": "no name"}}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_required_with_n_2_constrains_every_choice(client):
+    r = client.chat.completions.create(model="qwenish", messages=MSG, tools=TOOLS, tool_choice="required",
+                                       temperature=1.0, seed=11, max_tokens=200, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        check_call(choice.message.tool_calls[0])
+
+
+def test_required_call_on_the_single_user_path(tmp_path):
+    path = write_tiny_llama(tmp_path / "solo.gguf", seed=21, extra_metadata={"llama.context_length": 2048})
+    server = ServerProcess(["--model", str(path), "--name", "solo", "--ctx-cap", "2048"],
+                           env={"QWEN35_BATCH_SLOTS": "0"})
+    try:
+        solo = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        r = solo.chat.completions.create(model="solo", messages=MSG, tools=TOOLS, tool_choice="required",
+                                         temperature=1.0, seed=3, max_tokens=200)
+        assert r.choices[0].finish_reason == "tool_calls"
+        check_call(r.choices[0].message.tool_calls[0])
+    finally:
+        server.stop()
