@@ -88,7 +88,9 @@ async def _admitted(events, engine) -> None:
     if isinstance(first, RequestError):
         await events.aclose()
         _raise_for(first)
-    assert isinstance(first, Admitted), first
+    if not isinstance(first, Admitted):
+        await events.aclose()
+        raise ApiError(500, "server_error", f"unexpected first engine event {type(first).__name__}")
 
 
 def _logprobs(engine, tokens) -> list[dict]:

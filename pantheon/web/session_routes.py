@@ -108,9 +108,7 @@ async def session_estimate():
     if tokens is None:
         raise invalid("'tokens' is required and must be positive")
     tokens = int(tokens)
-    engine = current_app.pantheon.pool.find(args.get("name"))
-    if args.get("name") is not None and engine is not None and engine.name != args.get("name"):
-        engine = None
+    engine = current_app.pantheon.pool.find(args.get("name"))  # an unknown name is not an error here
     blob = int(positive("blob_bytes", tokens * BLOB_BYTES_PER_TOKEN))
     bps = positive("upload_bps", DEFAULT_UPLOAD_BPS)
     rate = engine.prefill_rate() if engine else current_app.pantheon.default_prefill_rate()
