@@ -25,13 +25,6 @@ def _attention(engine, operator: bool) -> dict | None:
     """Omitted until the forward has reached an attention layer (see runner.AttentionResidency)."""
     if not (set(engine.runner.family.kv_programs) | {"attn_project"}) & engine.registry.programs():
         return None
-    recurrent = getattr(engine.spec, "recurrent", None)
-    if recurrent is not None:  # hybrid: its attention layers hold device KV (no host path)
-        n = sum(not r for r in recurrent)
-        out = {"ondie": n, "host": 0, "total": n}
-        if operator:
-            out.update(gave_up=0, impossible=0, host_engagements=0, ring_alloc_failures=0)
-        return out
     return engine.runner.attention.counters(operator)
 
 
