@@ -10,7 +10,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from pantheon.config import MAX_MODEL_DIES, EngineEnv, ModelConfig
 from pantheon.engine.dies import visible_dies

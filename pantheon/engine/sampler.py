@@ -7,7 +7,7 @@ row) lives on the device beside the KV cache and is indexed by slot."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import jax

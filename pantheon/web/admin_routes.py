@@ -8,8 +8,7 @@ from quart import Blueprint, current_app
 
 from pantheon.config import MAX_MODEL_DIES, ModelConfig
 from pantheon.engine.dies import die_budget, visible_dies
-from pantheon.web.errors import ApiError, invalid
-from pantheon.web.openai_routes import _json_body
+from pantheon.web.errors import ApiError, invalid, json_body
 from pantheon.web.rows import operator_row
 
 bp = Blueprint("admin", __name__)
@@ -57,7 +56,7 @@ def load_config(body) -> ModelConfig:
 async def admin_load():
     state = current_app.pantheon
     state.refuse_if_shutting_down()
-    config = load_config(await _json_body())
+    config = load_config(await json_body())
     if config.quantize:
         raise ApiError(400, "invalid_request_error", "'quantize' (INT8 at load) is not supported by this serve")
     entry = await asyncio.to_thread(state.pool.load, config)
@@ -66,7 +65,7 @@ async def admin_load():
 
 @bp.route("/admin/models/unload", methods=["POST"])
 async def admin_unload():
-    body = await _json_body()
+    body = await json_body()
     name = body.get("name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
         raise invalid("'name' is required")

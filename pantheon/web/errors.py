@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from quart import Response
+from quart import Response, request
 
 
 class ApiError(Exception):
@@ -26,3 +26,14 @@ def error_response(status: int, type_: str, message: str, headers: dict | None =
 
 def invalid(message: str) -> ApiError:
     return ApiError(400, "invalid_request_error", message)
+
+
+async def json_body():
+    """The request body parsed as JSON; empty or malformed -> 400 invalid_request_error."""
+    raw = await request.get_data()
+    if not raw or not raw.strip():
+        raise invalid("empty request body")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"malformed JSON: {e}") from None

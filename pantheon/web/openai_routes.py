@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -13,7 +12,7 @@ from pantheon.engine.chat import ChatPlan, PlanError, plan_chat
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
-from pantheon.web.errors import ApiError, error_body, invalid
+from pantheon.web.errors import ApiError, error_body, invalid, json_body
 from pantheon.web.rows import public_row
 
 bp = Blueprint("openai", __name__)
@@ -31,21 +30,11 @@ async def list_models():
     return {"object": "list", "backend": state.backend, "build": state.build, "data": data}
 
 
-async def _json_body():
-    raw = await request.get_data()
-    if not raw or not raw.strip():
-        raise invalid("empty request body")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid(f"malformed JSON: {e}") from None
-
-
 @bp.route("/v1/chat/completions", methods=["POST"])
 async def chat_completions():
     state = current_app.pantheon
     state.refuse_if_shutting_down()
-    chat = parse_chat_request(await _json_body(), request.headers.get("X-Session-Id"))
+    chat = parse_chat_request(await json_body(), request.headers.get("X-Session-Id"))
     engine = state.resolve(chat.model, chat.session_id)
     try:
         plan = plan_chat(engine, chat)

@@ -11,8 +11,7 @@ from quart import Blueprint, Response, current_app, request
 
 from pantheon.engine.sessions import SessionError
 from pantheon.web import sse
-from pantheon.web.errors import ApiError, invalid
-from pantheon.web.openai_routes import _json_body
+from pantheon.web.errors import ApiError, invalid, json_body
 
 bp = Blueprint("sessions", __name__)
 BLOB_BYTES_PER_TOKEN = 16 * 1024
@@ -37,7 +36,7 @@ async def _call(engine, fn):
 
 
 async def _body() -> dict:
-    body = await _json_body()
+    body = await json_body()
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     return body

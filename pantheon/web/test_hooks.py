@@ -5,8 +5,7 @@ from __future__ import annotations
 from quart import Blueprint
 
 from pantheon.engine.faults import FAULTS, test_hooks_enabled
-from pantheon.web.errors import ApiError, invalid
-from pantheon.web.openai_routes import _json_body
+from pantheon.web.errors import ApiError, invalid, json_body
 
 bp = Blueprint("test_hooks", __name__)
 
@@ -15,7 +14,7 @@ bp = Blueprint("test_hooks", __name__)
 async def set_faults():
     if not test_hooks_enabled():
         raise ApiError(404, "not_found", "unknown route")
-    body = await _json_body()
+    body = await json_body()
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     try:
