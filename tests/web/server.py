@@ -55,3 +55,26 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+class BackgroundStream:
+    """A streaming chat completion on its own thread, for tests that act while a turn is in flight:
+    `started` is set at its first data event, `lines` holds every line received."""
+
+    def __init__(self, url: str, body: dict, timeout: float = 120):
+        import threading
+
+        self.started = threading.Event()
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._run, args=(url, {**body, "stream": True}, timeout))
+        self.thread.start()
+
+    def _run(self, url: str, body: dict, timeout: float) -> None:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+            for line in r.iter_lines():
+                self.lines.append(line)
+                if line.startswith("data: {"):
+                    self.started.set()
+
+    def join(self, timeout: float = 120) -> None:
+        self.thread.join(timeout)

@@ -4,7 +4,6 @@ session capacity, export/restore, watch and idle reaping."""
 from __future__ import annotations
 
 import base64
-import json
 import threading
 import time
 
@@ -12,7 +11,7 @@ import httpx
 import pytest
 
 from tests.fixtures.tiny_models import write_tiny_llama
-from tests.web.server import ServerProcess
+from tests.web.server import BackgroundStream, ServerProcess
 from tests.web.test_http_errors import check_error
 
 CHAT = "/v1/chat/completions"
@@ -123,21 +122,11 @@ def test_restore_rejects_tampered_blobs_and_bad_tokens(batch_server):
 def test_export_of_a_session_with_a_turn_in_flight_is_429_session_busy(batch_server):
     url = batch_server.url
     ask(url, "", messages=[{"role": "user", "content": "Hi"}], session_id="busy-1", max_tokens=2)
-    started = threading.Event()
-
-    def stream():
-        with httpx.stream("POST", url + CHAT, timeout=120, json={
-                "model": "smol", "messages": [{"role": "user", "content": "Hi"}], "session_id": "busy-1",
-                "max_tokens": 60, "stream": True, "logit_bias": NO_END}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    started.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
+    turn = BackgroundStream(url, {"model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+                                  "session_id": "busy-1", "max_tokens": 60, "logit_bias": NO_END})
+    assert turn.started.wait(60)
     check_error(httpx.post(url + "/admin/session/export", json={"session_id": "busy-1"}), 429, "session_busy")
-    t.join(120)
+    turn.join()
 
 
 # ---- a small server: two sessions, a queue of one, short TTL and watch grace ----------------------------
@@ -168,27 +157,17 @@ def tiny(url, model, session=None, max_tokens=4, **kw):
 
 
 def test_queue_overflow_is_429_server_busy_with_retry_after(small_server):
-    url, started, done = small_server.url, threading.Event(), []
-
-    def long_stream():
-        with httpx.stream("POST", url + CHAT, timeout=120, json={
-                "model": "smolq", "messages": [{"role": "user", "content": "x"}], "max_tokens": 90,
-                "stream": True, "logit_bias": NO_END}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    started.set()
-        done.append(1)
-
-    t1 = threading.Thread(target=long_stream)
-    t1.start()
-    assert started.wait(60)
+    url, done = small_server.url, []
+    running = BackgroundStream(url, {"model": "smolq", "messages": [{"role": "user", "content": "x"}],
+                                     "max_tokens": 90, "logit_bias": NO_END})
+    assert running.started.wait(60)
     queued = threading.Thread(target=lambda: done.append(tiny(url, "smolq").status_code))
     queued.start()  # waits in the queue of depth 1
     time.sleep(0.3)
     r = tiny(url, "smolq")
     check_error(r, 429, "server_busy")
     assert r.headers["retry-after"] == "1"
-    t1.join(120)
+    running.join()
     queued.join(120)
     assert 200 in done  # the queued request ran once the slot freed
 
@@ -247,24 +226,16 @@ def test_single_user_path_answers_429_at_once_and_advertises_1(tiny_paths):
     server = ServerProcess(["--model", str(tiny_paths[0]), "--name", "solo", "--ctx-cap", "128"],
                            env={"QWEN35_BATCH_SLOTS": "0"})
     try:
-        url, started = server.url, threading.Event()
+        url = server.url
         models = httpx.get(url + "/v1/models").json()["data"][0]
         admin = httpx.get(url + "/admin/models").json()["data"][0]
         assert models["max_concurrent"] == 1 and admin["max_concurrent_configured"] == 4
 
-        def long_stream():
-            with httpx.stream("POST", url + CHAT, timeout=120, json={
-                    "messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": True,
-                    "logit_bias": {"0": -100, "2": -100}}) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        started.set()
-
-        t = threading.Thread(target=long_stream)
-        t.start()
-        assert started.wait(60)
+        running = BackgroundStream(url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100,
+                                         "logit_bias": {"0": -100, "2": -100}})
+        assert running.started.wait(60)
         check_error(tiny(url, "solo"), 429, "server_busy")
-        t.join(120)
+        running.join()
         assert tiny(url, "solo").status_code == 200
     finally:
         server.stop()

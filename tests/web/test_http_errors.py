@@ -4,7 +4,6 @@ hypercorn server: status, error `type`, and the headers every response carries."
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx

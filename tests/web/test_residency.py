@@ -92,9 +92,6 @@ def test_memory_ladder_clamps_window_and_concurrency_and_refuses_under_critical(
 
 
 def test_fault_hook_is_hidden_without_the_env(smollm2_path):
-    # the shared server of the error tests does not enable hooks
-    from tests.web.test_http_errors import CHAT as _  # noqa: F401
-
     server = ServerProcess(["--model", str(smollm2_path), "--ctx-cap", "256", "--max-sessions", "1"])
     try:
         check_error(httpx.post(server.url + "/admin/test/faults", json={"compile": 1}), 404, "not_found")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import signal
-import threading
 
 import httpx
 
-from tests.web.server import ServerProcess
+from tests.web.server import BackgroundStream, ServerProcess
 from tests.web.test_http_errors import check_error
 
 MSG = [{"role": "user", "content": "Hello"}]
@@ -16,21 +15,9 @@ MSG = [{"role": "user", "content": "Hello"}]
 def test_sigterm_refuses_new_work_with_503_and_finishes_the_stream_in_flight(smollm2_path):
     server = ServerProcess(["--model", str(smollm2_path), "--ctx-cap", "512"])
     try:
-        started, result = threading.Event(), {}
-
-        def stream():
-            with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
-                              json={"messages": MSG, "max_tokens": 60, "stream": True,
-                                    "logit_bias": {"0": -100, "2": -100, "4": -100}}) as r:
-                lines = []
-                for line in r.iter_lines():
-                    lines.append(line)
-                    started.set()
-                result["lines"] = lines
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(60)
+        turn = BackgroundStream(server.url, {"messages": MSG, "max_tokens": 60,
+                                             "logit_bias": {"0": -100, "2": -100, "4": -100}})
+        assert turn.started.wait(60)
         server.proc.send_signal(signal.SIGTERM)
         r = None
         for _ in range(50):
@@ -41,8 +28,8 @@ def test_sigterm_refuses_new_work_with_503_and_finishes_the_stream_in_flight(smo
                 continue
         err = check_error(r, 503, "server_shutting_down")
         assert r.headers["retry-after"] == "1" and err["message"]
-        t.join(120)
-        assert [ln for ln in result["lines"] if ln][-1] == "data: [DONE]"  # the stream in flight completed
+        turn.join()
+        assert [ln for ln in turn.lines if ln][-1] == "data: [DONE]"  # the stream in flight completed
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()
