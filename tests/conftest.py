@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model file and llama.cpp's reference data in ../shared/reference."""
+"""Shared fixtures: the default model file, llama.cpp's reference data (tests/data, see its README)
+and the tiny qwen35moe GGUFs that data was computed from, regenerated once per session."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("PANTHEON_SHARED", REPO.parent / "shared"))
-REFERENCE = Path(os.environ.get("PANTHEON_REFERENCE_DIR", SHARED / "reference"))
+# llama.cpp's recorded outputs; PANTHEON_REFERENCE_DIR may point at another copy with the same layout.
+REFERENCE = Path(os.environ.get("PANTHEON_REFERENCE_DIR") or REPO / "tests" / "data")
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +31,47 @@ def smollm2_gguf(smollm2_path):
     from pantheon.gguf import open_gguf
 
     return open_gguf(smollm2_path)
+
+
+# ---- the tiny qwen35moe reference models (tests/fixtures/reference_qwen35moe.py) ----------------------
+@pytest.fixture(scope="session")
+def _qwen35moe_models(tmp_path_factory):
+    """Writes a reference model into one session folder on first request; returns its path."""
+    from tests.fixtures import reference_qwen35moe as ref
+
+    folder = tmp_path_factory.mktemp("qwen35moe_reference")
+    weights = []
+
+    def get(name: str) -> Path:
+        path = folder / name
+        if not path.exists():
+            if not weights:
+                weights.append(ref.make_weights())
+            ref.WRITERS[name](path, weights[0])
+        return path
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen35moe_f32_gguf(_qwen35moe_models) -> Path:
+    """tiny_qwen35moe_f32.gguf: the F32 file llama.cpp's qwen35moe logits in tests/data come from."""
+    from tests.fixtures.reference_qwen35moe import F32_NAME
+
+    return _qwen35moe_models(F32_NAME)
+
+
+@pytest.fixture(scope="session")
+def qwen35moe_q3k_experts_gguf(_qwen35moe_models) -> Path:
+    """tiny_qwen35moe_q3k_experts.gguf: its experts Q3_K as llama.cpp's quantizer wrote them."""
+    from tests.fixtures.reference_qwen35moe import Q3K_EXPERTS_NAME
+
+    return _qwen35moe_models(Q3K_EXPERTS_NAME)
+
+
+@pytest.fixture(scope="session")
+def qwen35moe_q3_k_m_gguf(_qwen35moe_models) -> Path:
+    """tiny_qwen35moe_q3_k_m.gguf: llama.cpp's stock Q3_K_M file of the model."""
+    from tests.fixtures.reference_qwen35moe import Q3_K_M_NAME
+
+    return _qwen35moe_models(Q3_K_M_NAME)

@@ -39,12 +39,12 @@ def test_generate_on_a_bad_file_is_a_clear_error(tmp_path):
     assert out.returncode == 1 and "not a GGUF file" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_generate_tokens_reproduces_llamacpp_greedy_on_the_qwen35moe_references(reference_dir):
+def test_generate_tokens_reproduces_llamacpp_greedy_on_the_qwen35moe_references(reference_dir, qwen35moe_f32_gguf):
     """The F32 and Q3_K-experts reference files, through the CLI: llama.cpp's greedy continuation
     (the Q3_K file with exact dequantization is compared in tests/model; here its greedy run must
     equal the F32 file's where llama.cpp's own Q3_K run does)."""
     ref = json.loads((reference_dir / "qwen35moe" / "ref" / "greedy.json").read_text())
-    path = reference_dir / "qwen35moe" / "tiny_qwen35moe_f32.gguf"
+    path = qwen35moe_f32_gguf
     for seq in ("s5", "s33"):
         prompt = ref["f32"]["prompt"][seq]
         out = pantheon("generate", "--model", str(path), "--numerics", "exact", "--json", "--temperature", "0",
@@ -53,12 +53,12 @@ def test_generate_tokens_reproduces_llamacpp_greedy_on_the_qwen35moe_references(
         assert json.loads(out.stdout)["tokens"] == ref["f32"]["generated"][seq]
 
 
-def test_generate_on_q3k_experts_follows_llamacpp_loosely(reference_dir):
+def test_generate_on_q3k_experts_follows_llamacpp_loosely(reference_dir, qwen35moe_q3k_experts_gguf):
     """llama.cpp's own Q3_K run rounds activations to 8 bits, so its greedy tokens are only loosely
     comparable (the exact comparison, to its dequantized-f32 logits, is in tests/model). Measured
     leading agreement of 24 tokens: exact numerics 20 (s5) and 24 (s33), llamacpp numerics 24 and 13."""
     ref = json.loads((reference_dir / "qwen35moe" / "ref" / "greedy.json").read_text())["q3k_experts"]
-    path = reference_dir / "qwen35moe" / "tiny_qwen35moe_q3k_experts.gguf"
+    path = qwen35moe_q3k_experts_gguf
     for numerics in ("exact", "llamacpp"):
         for seq in ("s5", "s33"):
             out = pantheon("generate", "--model", str(path), "--numerics", numerics, "--json", "--temperature", "0",

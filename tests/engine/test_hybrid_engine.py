@@ -16,8 +16,8 @@ GREEDY = SamplingParams(temperature=0.0, logprobs=True)
 
 
 @pytest.fixture(scope="module")
-def engine(reference_dir):
-    return Engine(reference_dir / "qwen35moe" / "tiny_qwen35moe_f32.gguf", ctx_cap=256, max_sessions=2,
+def engine(qwen35moe_f32_gguf):
+    return Engine(qwen35moe_f32_gguf, ctx_cap=256, max_sessions=2,
                   max_concurrent=2)
 
 

@@ -151,8 +151,8 @@ def test_kernel_choice_follows_the_environment(monkeypatch):
 
 
 # ---- Q3_K experts as planes ----------------------------------------------------------------------------
-def test_q3k_experts_take_the_gguf_bytes_on_the_device(reference_dir):
-    g = open_gguf(reference_dir / "qwen35moe" / "tiny_qwen35moe_q3k_experts.gguf")
+def test_q3k_experts_take_the_gguf_bytes_on_the_device(qwen35moe_q3k_experts_gguf):
+    g = open_gguf(qwen35moe_q3k_experts_gguf)
     spec = spec_from_gguf(g)
     params = qwen35moe.load_params(g, spec)
     expert_names = [n for n in g.tensors if "_exps." in n]
@@ -171,12 +171,11 @@ def test_q3k_experts_take_the_gguf_bytes_on_the_device(reference_dir):
     assert file_bytes * 4 * 256 // 110 == sum(int(np.prod(p.shape)) * 4 for p in planes)
 
 
-def test_only_all_q3k_experts_become_planes(reference_dir):
-    d = reference_dir / "qwen35moe"
-    for name, want in (("tiny_qwen35moe_q3k_experts.gguf", True), ("tiny_qwen35moe_f32.gguf", False),
-                       ("tiny_qwen35moe_q3_k_m.gguf", False)):  # q3_k_m: Q3_K gate/up, Q4_K down
-        g = open_gguf(d / name)
-        assert qwen35moe.q3k_experts(g, spec_from_gguf(g)) is want, name
+def test_only_all_q3k_experts_become_planes(qwen35moe_q3k_experts_gguf, qwen35moe_f32_gguf, qwen35moe_q3_k_m_gguf):
+    for path, want in ((qwen35moe_q3k_experts_gguf, True), (qwen35moe_f32_gguf, False),
+                       (qwen35moe_q3_k_m_gguf, False)):  # q3_k_m: Q3_K gate/up, Q4_K down
+        g = open_gguf(path)
+        assert qwen35moe.q3k_experts(g, spec_from_gguf(g)) is want, path.name
 
 
 def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
@@ -238,8 +237,8 @@ def test_llama_block_lowers_with_pallas_kernels(tiny_llama, t):
 
 
 @pytest.mark.parametrize("t", [1, 64], ids=["decode", "prefill"])
-def test_qwen35moe_blocks_lower_with_pallas_kernels(reference_dir, t):
-    g = open_gguf(reference_dir / "qwen35moe" / "tiny_qwen35moe_q3k_experts.gguf")
+def test_qwen35moe_blocks_lower_with_pallas_kernels(qwen35moe_q3k_experts_gguf, t):
+    g = open_gguf(qwen35moe_q3k_experts_gguf)
     spec = spec_from_gguf(g)
     params = qwen35moe.load_params(g, spec)
     shapes = lambda tree: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731

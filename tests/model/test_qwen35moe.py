@@ -1,6 +1,6 @@
 """The hybrid qwen35moe model (pantheon/model/qwen35moe.py) against llama.cpp and a float64 oracle.
 
-Reference data: shared/reference/qwen35moe (README.md there): llama.cpp logits of every position of
+Reference data: tests/data/qwen35moe (README.md there): llama.cpp logits of every position of
 four sequences (5/33/70/130 tokens) for the tiny F32 file and for the Q3_K-experts file run with
 its experts exactly dequantized (`q3k_experts_dequant_f32`), one-token-per-call logits of s33, and
 greedy continuations. Positions start at 0 in every reference run, for both files.
@@ -86,16 +86,18 @@ def max_err(a, b) -> float:
 
 # ---- the llama.cpp reference model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ref(reference_dir):
+def ref(reference_dir, qwen35moe_f32_gguf, qwen35moe_q3k_experts_gguf):
+    """The stored llama.cpp outputs, and the (regenerated) model files they came from."""
     d = reference_dir / "qwen35moe"
-    return dict(dir=d, seqs=json.loads((d / "ref" / "sequences.json").read_text()),
+    return dict(dir=d, f32_gguf=qwen35moe_f32_gguf, q3k_gguf=qwen35moe_q3k_experts_gguf,
+                seqs=json.loads((d / "ref" / "sequences.json").read_text()),
                 greedy=json.loads((d / "ref" / "greedy.json").read_text()),
                 logits=lambda name: np.load(d / "ref" / f"logits_{name}.npy"))
 
 
 @pytest.fixture(scope="module")
 def f32(ref):
-    return load(ref["dir"] / "tiny_qwen35moe_f32.gguf")
+    return load(ref["f32_gguf"])
 
 
 def prefill_all(m: Model, seqs: dict):
@@ -135,7 +137,7 @@ def test_f32_every_position_matches_llamacpp(f32_prefill, ref):
 
 
 def test_q3k_experts_exactly_dequantized_match_llamacpp(ref):
-    m = load(ref["dir"] / "tiny_qwen35moe_q3k_experts.gguf")
+    m = load(ref["q3k_gguf"])
     assert all(isinstance(w["exp_down"], Q3KPlanes) for w in m.params["layers"])  # dispatch.moe_ffn's path
     logits, _ = prefill_all(m, ref["seqs"])
     for i, (name, toks) in enumerate(ref["seqs"].items()):

@@ -34,10 +34,10 @@ def smollm2_tokenizer(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def qwen35_gguf(reference_dir):
+def qwen35_gguf(qwen35moe_f32_gguf):
     from pantheon.gguf import open_gguf
 
-    return open_gguf(reference_dir / "qwen35moe" / "tiny_qwen35moe_f32.gguf")
+    return open_gguf(qwen35moe_f32_gguf)
 
 
 @pytest.fixture(scope="session")

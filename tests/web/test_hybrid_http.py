@@ -11,8 +11,8 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def hybrid_server(reference_dir):
-    path = reference_dir / "qwen35moe" / "tiny_qwen35moe_f32.gguf"
+def hybrid_server(qwen35moe_f32_gguf):
+    path = qwen35moe_f32_gguf
     server = ServerProcess(["--model", str(path), "--name", "q35", "--ctx-cap", "256", "--max-sessions", "2"])
     yield server
     server.stop()
