@@ -2,11 +2,13 @@
 model's template (tools in the model's dialect), tokenized, and the constraints decided — which
 tool grammar or JSON grammar (if any) each choice decodes under, and whether reasoning is split.
 
-Nothing here is HTTP: the web layer calls `plan_chat` and renders what comes back."""
+Nothing here is HTTP: the web layer calls `plan_chat` (off the event loop: rendering, tokenizing
+and grammar compiles are CPU work) and renders what comes back."""
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 from pantheon.config import ENV_TOOL_GRAMMAR, no_think_default
@@ -16,6 +18,52 @@ from pantheon.engine.sampler import SamplingParams
 
 class PlanError(ValueError):
     """The request cannot be rendered (bad tools, a template that rejects the messages)."""
+
+
+class PromptOverBudget(Exception):
+    """The prompt cannot fit the window: `tokens` (at least that many when `at_least`) >= kv_cap."""
+
+    def __init__(self, tokens: int, kv_cap: int, at_least: bool = False):
+        self.tokens, self.kv_cap, self.at_least = tokens, kv_cap, at_least
+        n = f"at least {tokens}" if at_least else str(tokens)
+        super().__init__(f"prompt of {n} tokens exceeds the context window: kv_used={tokens} kv_cap={kv_cap}; "
+                         "shorten the conversation")
+
+
+_TEXT_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (longest, strips)
+
+
+def _text_bound(tokenizer) -> tuple[int, bool] | None:
+    """(the most bytes any one token stands for, whether special tokens strip whitespace), or None
+    when the vocabulary allows no bound (SentencePiece without byte fallback fuses unknown runs)."""
+    try:
+        return _TEXT_BOUND[tokenizer]
+    except KeyError:
+        pass
+    from pantheon.text.tokenizer import ATTR_LSTRIP, ATTR_RSTRIP
+
+    n = tokenizer.vocab_size
+    bound = None
+    if not tokenizer.is_spm or all(tokenizer.token_to_id(f"<0x{b:02X}>") is not None for b in range(256)):
+        longest = max(map(len, tokenizer.piece_table()), default=1) or 1
+        strips = any(tokenizer.token_attr(i) & (ATTR_LSTRIP | ATTR_RSTRIP) for i in range(n))
+        bound = (longest, strips)
+    _TEXT_BOUND[tokenizer] = bound
+    return bound
+
+
+def min_prompt_tokens(tokenizer, text: str) -> int:
+    """A lower bound on len(tokenizer.encode(text)) without tokenizing: each token stands for at
+    most `longest` bytes and every character is at least one byte, so n characters need at least
+    ceil(n / longest) tokens (whitespace a special token may strip is not counted). 0: no bound."""
+    bound = _text_bound(tokenizer)
+    if bound is None:
+        return 0
+    longest, strips = bound
+    n = len(text)
+    if strips:
+        n -= sum(text.count(c) for c in " \t\n\v\f\r")  # what LSTRIP/RSTRIP may drop
+    return -(-n // longest)
 
 
 @dataclass
@@ -43,7 +91,10 @@ def tool_choice_required_with_thinking(engine) -> bool:
     return os.environ.get(ENV_TOOL_GRAMMAR, "").strip() != "0" and engine.tool_dialect is not MINICPM_XML
 
 
-def plan_chat(engine, chat) -> ChatPlan:
+def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
+    """Render, tokenize and constrain `chat` for `engine`. With kv_cap, a prompt that cannot fit
+    (len >= kv_cap) raises PromptOverBudget as soon as that is known: before tokenizing when the
+    rendered text alone is too long, else right after, before any grammar compile."""
     from pantheon.text.chat_template import ChatTemplateError
     from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, tool_grammar_policy
 
@@ -64,6 +115,11 @@ def plan_chat(engine, chat) -> ChatPlan:
         text = engine.render_chat(messages, **kwargs)
     except ChatTemplateError as e:
         raise PlanError(f"chat template rejected the messages: {e}") from None
+    if kv_cap is not None and (at_least := min_prompt_tokens(engine.tokenizer, text)) >= kv_cap:
+        raise PromptOverBudget(at_least, kv_cap, at_least=True)
+    prompt_ids = engine.encode_prompt(text)
+    if kv_cap is not None and len(prompt_ids) >= kv_cap:
+        raise PromptOverBudget(len(prompt_ids), kv_cap)
     start_in_reasoning = engine.think and text.rstrip().endswith("<think>")
     think_rule = "open" if start_in_reasoning else ("optional" if engine.think and kwargs["enable_thinking"] else "none")
 
@@ -94,7 +150,7 @@ def plan_chat(engine, chat) -> ChatPlan:
             status = "ignored_unknown_type"
 
     request = GenerationRequest(
-        prompt_ids=engine.encode_prompt(text), choices=[_sampling(chat, i) for i in range(chat.n)],
+        prompt_ids=prompt_ids, choices=[_sampling(chat, i) for i in range(chat.n)],
         max_tokens=chat.max_tokens, stops=chat.stop, think=engine.think, start_in_reasoning=start_in_reasoning,
         session_id=chat.session_id, dialect=dialect, tools=specs, grammar=grammar,
         reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0))

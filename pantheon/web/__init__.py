@@ -1,7 +1,10 @@
 """The Quart app: `hypercorn pantheon.web:app` serves it, configured from the environment.
 
 Nothing here but HTTP: routes parse requests, ask the model pool and engines, and render the
-contract's bodies. Models load in the background at start-up; health answers meanwhile."""
+contract's bodies. Models load in the background at start-up; health answers meanwhile.
+
+`app` is a module-level ASGI callable that builds the Quart app (ServeConfig.from_env()) on its
+first event — the lifespan start-up under hypercorn — so importing this module reads nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from quart import Quart, Response, request
 from pantheon.config import ServeConfig
 from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backend, configure_jax
 from pantheon.engine.pool import ModelPool, PoolError
-from pantheon.web.errors import ApiError, error_response
+from pantheon.web.errors import ApiError, LimitedRequest, error_response
 
 log = logging.getLogger("pantheon.web")
 
@@ -26,6 +29,11 @@ class ServerState:
         self.build = build_id()
         self.shutting_down = False
         self.startup_errors: list[str] = []
+        self.admitting = 0  # chat requests past the shutdown check and not yet admitted by an engine
+
+    def idle(self) -> bool:
+        """No turn in flight: nothing being planned or admitted, no engine generating."""
+        return self.admitting == 0 and not self.pool.any_busy()
 
     def resolve(self, model, session_id=None):
         try:
@@ -66,15 +74,26 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     for bp in (openai_routes.bp, admin_routes.bp, session_routes.bp, test_hooks.bp):
         app.register_blueprint(bp)
 
+    app.request_class = LimitedRequest
+    app.config["MAX_CONTENT_LENGTH"] = state.config.max_body_bytes
+
     @app.before_serving
     async def start_loading():
+        from pantheon.web.serve import install_drain
+
+        install_drain(state)
         configure_jax()
         if load_models:
             app.add_background_task(asyncio.to_thread, state.load_startup_models)
 
     @app.after_serving
     async def shut_down():
-        state.shutting_down = True
+        from pantheon.web.serve import DRAIN_S, drain, uninstall_drain
+
+        # Under hypercorn the drain ran before it stopped accepting; the turns it then cut (past
+        # DRAIN_S) free their slots within a step. Another ASGI server: drain here, bounded.
+        await drain(state, 5.0 if state.shutting_down else DRAIN_S)
+        uninstall_drain(state)
         await asyncio.to_thread(state.pool.close)
 
     @app.before_request
@@ -111,6 +130,12 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     async def wrong_method(_):
         return error_response(404, "not_found", "unknown route")
 
+    @app.errorhandler(413)
+    async def too_large(_):
+        limit = state.config.max_body_bytes
+        return error_response(413, "request_too_large", f"request body exceeds {limit} bytes "
+                                                        f"(PANTHEON_MAX_BODY_BYTES); shorten the conversation")
+
     @app.errorhandler(Exception)
     async def server_error(e: Exception):
         log.exception("unhandled error")
@@ -119,10 +144,23 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     return app
 
 
-def __getattr__(name: str):
-    # `hypercorn pantheon.web:app` imports the module-level app; build it lazily so that importing
-    # pantheon.web (tests, `pantheon serve`) does not read the environment twice.
-    if name == "app":
-        globals()["app"] = create_app()
-        return globals()["app"]
-    raise AttributeError(name)
+class EnvApp:
+    """`hypercorn pantheon.web:app`: an ASGI callable that builds the app from the environment on
+    its first event (lifespan included) and forwards every event to it. Hypercorn looks `app` up in
+    the module's namespace, so it must be a real attribute; building lazily keeps `import
+    pantheon.web` (tests, `pantheon serve`) free of environment reads and model loads."""
+
+    def __init__(self):
+        self._app: Quart | None = None
+
+    @property
+    def quart(self) -> Quart:
+        if self._app is None:
+            self._app = create_app()
+        return self._app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.quart(scope, receive, send)
+
+
+app = EnvApp()

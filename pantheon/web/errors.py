@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import json
 
-from quart import Response, request
+from quart import Request, Response, request
+
+# Routes whose bodies are large by nature and exempt from the body limit: a session blob is the
+# slot's KV (tens to hundreds of MB, base64).
+UNLIMITED_BODY_PATHS = frozenset({"/session/restore"})
+
+
+class LimitedRequest(Request):
+    """Quart's Request; the app's MAX_CONTENT_LENGTH (PANTHEON_MAX_BODY_BYTES) bounds every body
+    but UNLIMITED_BODY_PATHS'. Past the limit reading the body raises 413 (rendered as the
+    contract's JSON error by the app), and Quart stops buffering the rest."""
+
+    def __init__(self, method, scheme, path, *args, **kwargs):
+        if path in UNLIMITED_BODY_PATHS:
+            kwargs["max_content_length"] = None
+        super().__init__(method, scheme, path, *args, **kwargs)
 
 
 class ApiError(Exception):

@@ -1,14 +1,71 @@
-"""`pantheon serve`: the same app, run by hypercorn in this process."""
+"""`pantheon serve`: the same app, run by hypercorn in this process; and the shutdown drain that
+both it and plain `hypercorn pantheon.web:app` use.
+
+The drain: on SIGTERM/SIGINT new requests get 503 server_shutting_down (Retry-After: 1) while the
+turns in flight finish, for up to DRAIN_S; then hypercorn stops accepting, closes the connections
+and runs the lifespan shutdown (the pool closes). Hypercorn has no hook between "shutdown
+requested" and "stop accepting": its asyncio worker awaits `raise_shutdown(shutdown_trigger)` and
+closes the listening sockets right after it raises. Whoever owns the signal — hypercorn's own
+handlers (in-process, `--workers 0`, `pantheon serve`) or its supervisor process, which sets a
+multiprocessing event the worker polls (the default single worker) — the trigger is awaited
+there, so the app wraps that one function at lifespan start-up (`install_drain`): the trigger
+fires, the registered states drain, then ShutdownError. One code path for every way of running."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from pantheon.config import ServeConfig
 
+log = logging.getLogger("pantheon.web")
+
 DRAIN_S = 30.0
+_draining: list = []  # the ServerStates served in this process (one, outside tests)
+
+
+async def drain(state, limit_s: float = DRAIN_S) -> None:
+    """Refuse new work and wait (at most limit_s) until no turn is in flight."""
+    state.shutting_down = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    if not state.idle():
+        log.info("shutting down: draining the turns in flight (at most %.0f s)", limit_s)
+    while not state.idle() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def install_drain(state) -> None:
+    """At lifespan start-up (before hypercorn creates its shutdown task): drain `state` when the
+    server is told to stop, before it stops accepting."""
+    if state not in _draining:
+        _draining.append(state)
+    try:
+        import hypercorn.asyncio.run as hypercorn_run
+    except ImportError:  # another ASGI server: the lifespan shutdown still drains (bounded)
+        return
+    original = getattr(hypercorn_run, "raise_shutdown", None)
+    if original is None:
+        log.warning("this hypercorn has no asyncio.run.raise_shutdown: on SIGTERM the turns in flight "
+                    "get only hypercorn's graceful_timeout")
+        return
+    if getattr(original, "pantheon_drains", False):
+        return
+
+    async def raise_shutdown(shutdown_event):
+        async def trigger_then_drain():
+            await shutdown_event()
+            await asyncio.gather(*(drain(s) for s in list(_draining)))
+
+        await original(trigger_then_drain)
+
+    raise_shutdown.pantheon_drains = True
+    hypercorn_run.raise_shutdown = raise_shutdown
+
+
+def uninstall_drain(state) -> None:
+    if state in _draining:
+        _draining.remove(state)
 
 
 def config_from_args(args) -> ServeConfig:
@@ -20,7 +77,7 @@ def config_from_args(args) -> ServeConfig:
                        ctx_cap=pick(args.ctx_cap, env.ctx_cap), max_sessions=pick(args.max_sessions, env.max_sessions),
                        max_concurrent=pick(args.max_concurrent, env.max_concurrent),
                        reasoning_budget=pick(args.reasoning_budget, env.reasoning_budget), dies=dies,
-                       numerics=args.numerics)
+                       numerics=args.numerics, max_body_bytes=env.max_body_bytes)
 
 
 def serve(args) -> int:
@@ -37,21 +94,7 @@ def serve(args) -> int:
     hc.keep_alive_timeout = 5
     hc.graceful_timeout = 5
 
-    async def drain_then_stop(stop: asyncio.Event):
-        """On SIGTERM/SIGINT: refuse new work (503 server_shutting_down, Retry-After: 1) while the
-        generations in flight finish, for up to DRAIN_S, then let hypercorn close."""
-        await stop.wait()
-        app.pantheon.shutting_down = True
-        deadline = asyncio.get_running_loop().time() + DRAIN_S
-        while app.pantheon.pool.any_busy() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-
-    async def main():
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await hypercorn_serve(app, hc, shutdown_trigger=lambda: drain_then_stop(stop))
-
-    asyncio.run(main())
+    # hypercorn's own SIGINT/SIGTERM handlers trigger the shutdown; install_drain (lifespan
+    # start-up) makes it drain first, exactly as under plain `hypercorn pantheon.web:app`.
+    asyncio.run(hypercorn_serve(app, hc))
     return 0
