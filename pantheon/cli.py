@@ -84,6 +84,14 @@ def cmd_tokenize(args) -> int:
 def cmd_bench(args) -> int:
     if args.concurrency:
         return _bench_http(args)
+    if args.interleave:
+        from pantheon.engine.bench import run_interleave
+
+        engine = _load_engine(args, ctx_cap=args.interleave + 512)
+        result = run_interleave(engine, args.interleave)
+        print(result.table())
+        print(json.dumps(result.as_dict()))
+        return 0
     from pantheon.engine.bench import run_bench
 
     engine = _load_engine(args, ctx_cap=max(1024, args.prompt_tokens + args.decode_tokens + 8))
@@ -205,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", help="comma-separated levels, e.g. 1,4,8: aggregate decode tok/s and TTFT "
                                          "p50/p95 against a live server (started here unless --url)")
     b.add_argument("--url", help="a running server to measure with --concurrency")
+    b.add_argument("--interleave", type=int, metavar="N",
+                   help="short-request TTFT and a running stream's decode tok/s, alone and beside an "
+                        "N-token prefill (through the scheduler)")
     b.set_defaults(func=cmd_bench)
 
     pr = sub.add_parser("profile", help="capture a jax.profiler trace of a few requests into profiles/")

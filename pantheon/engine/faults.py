@@ -1,6 +1,7 @@
-"""Fault injection for tests: make a compile fail, a KV allocation fail, or memory pressure rise.
+"""Fault injection for tests: make a compile fail, a KV allocation fail, a device step fail, or
+memory pressure rise.
 
-Off unless asked: `PANTHEON_FAULTS="compile=2,kv_alloc=1,memory=critical"` at start-up, or
+Off unless asked: `PANTHEON_FAULTS="compile=2,kv_alloc=1,step=1,memory=critical"` at start-up, or
 `POST /admin/test/faults` with the same keys when the server runs with `PANTHEON_TEST_HOOKS=1`.
 Counted faults fire that many times and then stop, so every fallback can be seen failing and
 then healing."""
@@ -12,7 +13,7 @@ import threading
 
 ENV_FAULTS = "PANTHEON_FAULTS"
 ENV_TEST_HOOKS = "PANTHEON_TEST_HOOKS"
-COUNTED = ("compile", "kv_alloc")
+COUNTED = ("compile", "kv_alloc", "step")
 MEMORY_LEVELS = ("ok", "pressure", "critical")
 
 

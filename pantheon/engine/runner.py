@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pantheon.engine.faults import FAULTS
+from pantheon.engine.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
@@ -131,6 +131,45 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
 
 
 @dataclass
+class PrefillWork:
+    """One chunk of one prompt. `sampling` is set on the prompt's last chunk: its last token's
+    logits are sampled in the same step."""
+
+    slot: int
+    tokens: list[int]
+    start: int
+    sampling: "SlotSampling | None" = None
+    forced: int = -1
+    mask: np.ndarray | None = None  # int32 [words] grammar bitmask row
+
+
+@dataclass
+class DecodeWork:
+    """One token for each decoding slot, then one batched sampling call."""
+
+    slots: list[int]
+    tokens: list[int]
+    positions: list[int]
+    sampling: list["SlotSampling"]
+    forced: list[int] | None = None
+    mask: np.ndarray | None = None  # int32 [rows, words]
+
+
+@dataclass
+class StepWork:
+    """What one scheduler step asks of the device: at most one prefill chunk and the decode rows."""
+
+    prefill: PrefillWork | None = None
+    decode: DecodeWork | None = None
+
+
+@dataclass
+class StepOutput:
+    prefill: SampleOutput | None = None  # one row, when the chunk ended its prompt
+    decode: SampleOutput | None = None
+
+
+@dataclass
 class SlotSampling:
     """What the sampler needs for one active slot."""
 
@@ -165,9 +204,14 @@ class ModelRunner:
     def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False):
         batch, chunk = tokens.shape
         seen: dict[str, int] = {}
+        # An injected `step` fault fails this forward at its second layer, after the first layer
+        # has already donated and replaced its buffers: the case the failure handling must survive.
+        faulted = FAULTS.take("step")
 
         def call(name, fn, args, static):
             layer = seen[name] = seen.get(name, -1) + 1  # the i-th call of a per-layer program
+            if faulted and layer == 1:
+                raise InjectedFault(f"injected device step failure ({kind}, layer program {name!r})")
             # Only the head depends on all_logits and only attention blocks on kv_len: key each
             # program by what it was compiled for, so no identical executable is built twice.
             bucket = (batch, chunk) + ((all_logits,) if name == "head" else
@@ -211,6 +255,41 @@ class ModelRunner:
         ids[:n, 0], pos[:n, 0], rows[:n] = tokens, positions, slots
         return self._forward("decode", ids, pos, rows, np.zeros(b, np.int32), self.kv_bucket(max(positions) + 1))
 
+    def run(self, work: StepWork) -> StepOutput:
+        """Execute one scheduler step: the prefill chunk, then the decode rows, each followed by
+        its sampling call. Any exception leaves `self.cache` holding every live buffer (the
+        forwards update it layer by layer); `repair` then replaces what a failure consumed."""
+        out = StepOutput()
+        p = work.prefill
+        if p is not None:
+            logits = self.prefill(p.slot, p.tokens, p.start)
+            if p.sampling is not None:
+                mask = None if p.mask is None else p.mask[None]
+                out.prefill = self.sample(logits[None], [p.slot], [p.sampling], [p.forced], mask)
+        d = work.decode
+        if d is not None:
+            logits = self.decode(d.slots, d.tokens, d.positions)
+            out.decode = self.sample(logits, d.slots, d.sampling, d.forced, d.mask)
+        return out
+
+    def repair(self) -> bool:
+        """After a failed step: replace any state buffer that the failure deleted (donated into a
+        program that never returned) with a fresh one. Returns True when the KV/recurrent state
+        lost a buffer, i.e. every slot's contents are now unknown."""
+        def fresh(a):
+            return jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
+
+        lost = False
+        for name in ("k", "v", "conv", "ssm"):
+            buffers = getattr(self.cache, name, None) or []
+            for i, a in enumerate(buffers):
+                if isinstance(a, jax.Array) and a.is_deleted():
+                    buffers[i], lost = fresh(a), True
+        if any(a.is_deleted() for a in jax.tree_util.tree_leaves(self.sampler_state)):
+            self.sampler_state = jax.tree_util.tree_map(
+                lambda a: fresh(a) if a.is_deleted() else a, self.sampler_state)
+        return lost
+
     def begin(self, slot: int, cached: int) -> None:
         """A sequence starts in `slot`, reusing its first `cached` positions. No reset is needed:
         attention positions past `cached` are overwritten before they are attended, and a recurrent
@@ -229,6 +308,7 @@ class ModelRunner:
 
     # ---- sampling --------------------------------------------------------------------------------
     def start_sampling(self, slot: int, params: SamplingParams) -> SlotSampling:
+        params = params.sanitized(self.spec.n_vocab)
         ids, vals = bias_arrays(params, self.spec.n_vocab)
         self.sampler_state = reset_slot(self.sampler_state, np.int32(slot), ids, vals)
         return SlotSampling(params, prng_key_for(params.seed))

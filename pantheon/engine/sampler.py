@@ -7,7 +7,7 @@ row) lives on the device beside the KV cache and is indexed by slot."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 1e4  # past this every distribution is already uniform in float32
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    def sanitized(self, n_vocab: int) -> "SamplingParams":
+        """Every field inside the range the sampler's device arrays hold, whatever a caller passed:
+        one request's parameters must never fail the batch it shares (an int32 overflow, a NaN)."""
+        def num(x, lo, hi, default):
+            x = float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else default
+            return default if x != x else min(max(x, lo), hi)  # NaN -> default
+
+        top_k = int(num(self.top_k, 0, n_vocab, 0))  # <= 0 (or past the vocabulary): no top-k cut
+        return replace(self, temperature=num(self.temperature, 0.0, MAX_TEMPERATURE, 0.7),
+                       top_p=num(self.top_p, 0.0, 1.0, 1.0), top_k=top_k,
+                       presence_penalty=num(self.presence_penalty, -2.0, 2.0, 0.0),
+                       frequency_penalty=num(self.frequency_penalty, -2.0, 2.0, 0.0),
+                       top_logprobs=int(num(self.top_logprobs, 0, MAX_TOP_LOGPROBS, 0)),
+                       logit_bias=tuple((int(i), num(b, -100.0, 100.0, 0.0)) for i, b in self.logit_bias
+                                        if isinstance(i, int) and 0 <= i < n_vocab))
 
 
 def prng_key_for(seed: int | None) -> np.ndarray:
@@ -84,6 +101,16 @@ class SampleOutput:
 CANDIDATES = 128  # rows whose top_k fits here sample from a partial top-k, not a full-vocab sort
 
 
+def _rank_noise(key, width: int):
+    """Gumbel noise per candidate rank. The first CANDIDATES ranks draw the same numbers at any
+    width, so a row samples the same token on the partial and the full-sort path: a row's result
+    never depends on which path its batch-mates needed."""
+    head = jax.random.gumbel(jax.random.fold_in(key, 0), (min(width, CANDIDATES),))
+    if width <= CANDIDATES:
+        return head
+    return jnp.concatenate([head, jax.random.gumbel(jax.random.fold_in(key, 1), (width - CANDIDATES,))])
+
+
 def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     """temperature-scaled logits -> sampled ids, restricted to the `width` best candidates."""
     vals, ids = jax.lax.top_k(scaled, width)  # descending
@@ -92,7 +119,8 @@ def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = keep & (mass_before < top_p[:, None])  # the top token is always kept
-    choice = jax.vmap(jax.random.categorical)(row_keys, jnp.where(keep, vals, -jnp.inf))
+    noise = jax.vmap(lambda key: _rank_noise(key, width))(row_keys)
+    choice = jnp.argmax(jnp.where(keep, vals + noise, -jnp.inf), axis=-1)  # Gumbel-max = categorical
     return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
 
 

@@ -1,11 +1,21 @@
-"""Continuous batching on the device thread.
+"""Continuous batching on the device thread, in nano-vllm's shape.
 
-Requests expand into one `Sequence` per choice. Each loop iteration: take new work from the inbox,
-drop cancelled or timed-out work, admit waiting sequences into free slots (up to `max_concurrent`
-decoding at once), run one prefill chunk of one sequence (long prompts are interleaved with decode
-steps, so running streams keep flowing), then one batched decode step over every decoding slot and
-one batched sampling call. Token handling (text pipeline, stops, reasoning budget, finish) is
-per sequence and pure Python.
+Requests expand into one `Sequence` per choice (engine/sequence.py). Each iteration of the device
+loop is
+
+    plan = schedule()         admission, the decode rows, and at most one prefill chunk
+    out = runner.run(plan.work)
+    postprocess(plan, out)    each sampled token goes through its sequence's policy
+
+A step spends a bounded token budget: every decoding sequence's one token plus, when a prompt is
+waiting to be prefilled, one chunk of it — `STEP_TOKENS` while nothing else is in flight,
+`SHARED_STEP_TOKENS` when other sequences decode or prefill beside it. Prompts being prefilled take
+turns chunk by chunk (round robin), so a short request's first token never waits for a long
+prompt to finish, and running streams keep producing a token every step.
+
+A failed device step fails only the requests in it: the runner's state stays consistent layer by
+layer, slots whose contents are now unknown are invalidated, and the loop goes on. Maintenance
+(session reaping, compile and KV-allocation retries) runs on a one-second timer between steps.
 
 With `max_concurrent=1` and no queue this is exactly the single-user path: one generation at a
 time, a second request answered 429 at once."""
@@ -18,22 +28,22 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from pantheon.engine.events import (Admitted, ChoiceEnd, Delta, GenerationRequest, RequestEnd, RequestError,
-                                    TokenInfo)
-from pantheon.engine.runner import CHUNK_BUCKETS, ModelRunner, SlotSampling
-from pantheon.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
+from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
+from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
 from pantheon.text.pipeline import ChoiceText
 
 log = logging.getLogger(__name__)
 THINK_CLOSE = "</think>\n\n"
 QUEUE_WAIT_S = 30.0
-INTERLEAVED_CHUNK = 128  # prefill chunk while other streams are decoding: keeps their steps flowing
+STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
+SHARED_STEP_TOKENS = 128  # ... and in chunks of this many while other sequences are in flight
+MAINTENANCE_S = 1.0
 
 
 class BusyError(Exception):
@@ -45,44 +55,20 @@ class MemoryConstrained(Exception):
 
 
 @dataclass
-class _RequestState:
-    request: GenerationRequest
-    emit: Callable
-    enqueued: float
-    remaining: int
-    admitted: bool = False
-    completion_tokens: int = 0
-    kv_used: int = 0
-    cached: int = 0
-    failed: bool = False
+class Plan:
+    """One step: the sequence whose prompt advances by `chunk`, and the decoding sequences."""
 
-
-@dataclass
-class Sequence:
-    """One choice of one request, from admission to finish."""
-
-    state: _RequestState
-    index: int
-    params: SamplingParams
-    slot: Slot | None = None
-    sampling: SlotSampling | None = None
-    text: ChoiceText | None = None
-    history: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
-    prefill_at: int = 0
-    last: int | None = None  # sampled, to be fed to the next decode step
-    n: int = 0
-    forced: list[int] = field(default_factory=list)
-    reasoning_tokens: int = 0
-    pending: list[TokenInfo] = field(default_factory=list)
-    matcher: object = None  # the grammar state of a constrained choice
+    prefill: Sequence | None = None
+    chunk: list[int] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    work: StepWork = field(default_factory=StepWork)
 
     @property
-    def request(self) -> GenerationRequest:
-        return self.state.request
+    def sequences(self) -> list[Sequence]:
+        return ([self.prefill] if self.prefill is not None else []) + self.decode
 
-    @property
-    def prefilling(self) -> bool:
-        return self.prefill_at < len(self.request.prompt_ids)
+    def __bool__(self) -> bool:
+        return self.prefill is not None or bool(self.decode)
 
 
 class Scheduler:
@@ -96,8 +82,12 @@ class Scheduler:
         self._load_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._last_reap = 0.0
-        self.force_close = engine.tokenizer.encode(THINK_CLOSE, parse_special=True, add_bos=False)
+        self._last_maintenance = 0.0
+        self._steps = 0
+        self.failed_steps = 0
+        self.policy = TokenPolicy(frozenset(engine.tokenizer.eog_ids),
+                                  tuple(engine.tokenizer.encode(THINK_CLOSE, parse_special=True, add_bos=False)),
+                                  engine.ctx)
 
     # ---- the asyncio side -------------------------------------------------------------------------------
     def reserve(self) -> None:
@@ -158,16 +148,36 @@ class Scheduler:
                     item = False
             try:
                 worked = self.step()
-            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the thread
-                log.exception("device step failed")
-                for seq in list(self.running):
-                    self._fail(seq.state, RequestError("server_error", f"generation failed: {e}"))
+            except Exception as e:  # noqa: BLE001 - last resort: the device thread must never die
+                log.exception("scheduler step failed outside the device step")
+                for st in {id(s.state): s.state for s in self.running}.values():
+                    self._fail(st, RequestError("server_error", f"generation failed: {e}"))
+                worked = True
+
+    def step(self) -> bool:
+        """One scheduling round; False when there was nothing to compute."""
+        self._maintenance()
+        plan = self.schedule()
+        if not plan:
+            return False
+        self._steps += 1
+        t0 = time.perf_counter()
+        try:
+            with TraceAnnotation("step", prefill=len(plan.chunk), decode=len(plan.decode)):
+                out = self.runner.run(plan.work)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its own requests, never the thread
+            self._step_failed(plan, e)
+            return True
+        if plan.chunk and not plan.decode:
+            self.engine.record_prefill(len(plan.chunk), time.perf_counter() - t0)
+        self.postprocess(plan, out)
+        return True
 
     def _take(self, item) -> None:
         kind, payload = item
         if kind == "generate":
             request, emit = payload
-            st = _RequestState(request, emit, time.monotonic(), remaining=len(request.choices))
+            st = RequestState(request, emit, time.monotonic(), remaining=len(request.choices))
             self.waiting.extend(Sequence(st, i, p) for i, p in enumerate(request.choices))
         else:  # "call": run fn on this thread, hand back the result
             fn, done = payload
@@ -176,27 +186,63 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 done(None, e)
 
-    def step(self) -> bool:
-        """One scheduling round; False when there was nothing to compute."""
+    def _maintenance(self) -> None:
         now = time.monotonic()
-        self._drop_cancelled(now)
+        if now - self._last_maintenance < MAINTENANCE_S:
+            return
+        self._last_maintenance = now
+        for name, job in (("reap", self.table.reap), ("graph retry", self.runner.registry.retry_due),
+                          ("kv retry", self.runner.attention.retry_due)):
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - maintenance never stops serving
+                log.exception("maintenance (%s) failed", name)
+
+    # ---- schedule ---------------------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        """Admit what fits, then plan this step: every decoding sequence, plus one prefill chunk of
+        the prompt that has waited longest for its turn."""
+        self._drop_cancelled(time.monotonic())
         self._admit()
-        if now - self._last_reap > 1.0:
-            self._last_reap = now
-            self.table.reap()
-            self.runner.registry.retry_due()
-            self.runner.attention.retry_due()
+        plan = Plan(decode=[s for s in self.running if s.decoding])
         prefilling = [s for s in self.running if s.prefilling]
         if prefilling:
-            with TraceAnnotation("prefill_chunk", slot=prefilling[0].slot.index):
-                self._prefill_chunk(prefilling[0], decoding=len(prefilling) < len(self.running))
-        decoding = [s for s in self.running if not s.prefilling and s.last is not None]
-        if decoding:
-            with TraceAnnotation("decode_step", batch=len(decoding)):
-                self._decode_step(decoding)
-        return bool(prefilling or decoding)
+            seq = min(prefilling, key=lambda s: s.prefill_turn)
+            seq.prefill_turn = self._steps + 1
+            shared = len(self.running) > 1
+            budget = (SHARED_STEP_TOKENS if shared else STEP_TOKENS)
+            plan.prefill = seq
+            plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + budget]
+        plan.work = self._work(plan)
+        return plan
 
-    # ---- admission --------------------------------------------------------------------------------------
+    def _work(self, plan: Plan) -> StepWork:
+        work = StepWork()
+        seq = plan.prefill
+        if seq is not None:
+            work.prefill = PrefillWork(seq.slot.index, plan.chunk, seq.prefill_at)
+            if seq.prefill_at + len(plan.chunk) == len(seq.request.prompt_ids):  # the prompt's last chunk
+                work.prefill.sampling = seq.sampling
+                work.prefill.forced = seq.take_forced()
+                masks = self._masks([seq])
+                work.prefill.mask = None if masks is None else masks[0]
+        rows = plan.decode
+        if rows:
+            forced = [s.take_forced() for s in rows]
+            work.decode = DecodeWork([s.slot.index for s in rows], [s.last for s in rows],
+                                     [len(s.history) for s in rows], [s.sampling for s in rows],
+                                     forced if any(f >= 0 for f in forced) else None, self._masks(rows))
+        return work
+
+    def _masks(self, rows: list[Sequence]) -> np.ndarray | None:
+        """Grammar bitmasks for the constrained rows (all ones elsewhere), or None."""
+        if not any(s.matcher is not None for s in rows):
+            return None
+        mask = np.full((len(rows), self.engine.grammar_factory.mask_words), -1, np.int32)
+        for i, s in enumerate(rows):
+            s.fill_mask(mask[i])
+        return mask
+
     def _drop_cancelled(self, now: float) -> None:
         for seq in list(self.waiting):
             st = seq.state
@@ -222,19 +268,29 @@ class Scheduler:
                 rate = self.engine.prefill_rate()
                 self._fail(seq.state, RequestError(
                     "model_at_session_capacity",
-                    f"all {self.table.max_sessions} session slots hold live sessions; retry later "
+                    f"all {self.table.max_sessions} session slots hold sessions that are busy or watched; retry later "
                     f"(re-prefilling this {len(req.prompt_ids)}-token prompt takes ~{len(req.prompt_ids) / rate:.1f} s)",
                     {"retry_after": 30}))
+                continue
+            except Exception as e:  # noqa: BLE001 - e.g. a session moving between tiers failed
+                log.exception("admission failed")
+                self._fail(seq.state, RequestError("server_error", f"admission failed: {e}"))
                 continue
             if got is None:
                 continue  # no free slot for this one yet; later sequences may still fit
             self.waiting.remove(seq)
-            self._start(seq, *got)
+            try:
+                self._start(seq, *got)
+            except Exception as e:  # noqa: BLE001 - e.g. an invalid grammar: this request only
+                log.exception("starting a sequence failed")
+                self.table.release_slot(got[0], seq.history)
+                self._fail(seq.state, RequestError("server_error", f"could not start generation: {e}"))
 
     def _start(self, seq: Sequence, slot: Slot, cached: int) -> None:
         req, st = seq.request, seq.state
         seq.slot, seq.prefill_at = slot, cached
         seq.history = req.prompt_ids[:cached]
+        seq.prefill_turn = self._steps  # arrivals queue behind prompts already waiting for a chunk
         self.runner.begin(slot.index, cached)
         seq.sampling = self.runner.start_sampling(slot.index, seq.params)
         parser = None
@@ -252,100 +308,68 @@ class Scheduler:
             st.admitted = True
             st.emit(Admitted(cached))
 
-    # ---- compute ----------------------------------------------------------------------------------------
-    def _prefill_chunk(self, seq: Sequence, decoding: bool) -> None:
-        prompt = seq.request.prompt_ids
-        size = INTERLEAVED_CHUNK if decoding else CHUNK_BUCKETS[-1]
-        chunk = prompt[seq.prefill_at:seq.prefill_at + size]
-        t0 = time.perf_counter()
-        logits = self.runner.prefill(seq.slot.index, chunk, seq.prefill_at)
-        seq.prefill_at += len(chunk)
-        seq.history.extend(chunk)
-        if not seq.prefilling:
-            out = self.runner.sample(logits[None], [seq.slot.index], [seq.sampling], self._forced([seq]),
-                                     self._masks([seq]))
-            self.engine.record_prefill(len(chunk), time.perf_counter() - t0)
-            self._accept(seq, out, 0)
-
-    def _decode_step(self, rows: list[Sequence]) -> None:
-        slots = [s.slot.index for s in rows]
-        logits = self.runner.decode(slots, [s.last for s in rows], [len(s.history) for s in rows])
-        for s in rows:
+    # ---- postprocess ------------------------------------------------------------------------------------
+    def postprocess(self, plan: Plan, out: StepOutput) -> None:
+        seq = plan.prefill
+        if seq is not None:
+            seq.prefill_at += len(plan.chunk)
+            seq.history.extend(plan.chunk)
+            if out.prefill is not None:
+                self._accept(seq, out.prefill, 0)
+        for s in plan.decode:
             s.history.append(s.last)
             s.last = None
-        out = self.runner.sample(logits, slots, [s.sampling for s in rows], self._forced(rows), self._masks(rows))
-        for i, s in enumerate(rows):
-            self._accept(s, out, i)
+        for i, s in enumerate(plan.decode):
+            self._accept(s, out.decode, i)
 
-    def _masks(self, rows: list[Sequence]) -> np.ndarray | None:
-        """Grammar bitmasks for the constrained rows (all ones elsewhere), or None."""
-        if not any(s.matcher is not None for s in rows):
-            return None
-        words = self.engine.grammar_factory.mask_words
-        mask = np.full((len(rows), words), -1, np.int32)
-        for i, s in enumerate(rows):
-            if s.matcher is not None and not s.forced:
-                s.matcher.fill_bitmask(mask[i])
-        return mask
-
-    @staticmethod
-    def _forced(rows: list[Sequence]) -> list[int] | None:
-        if not any(s.forced for s in rows):
-            return None
-        return [s.forced.pop(0) if s.forced else -1 for s in rows]
-
-    # ---- per-token handling -------------------------------------------------------------------------------
     def _accept(self, seq: Sequence, out, row: int) -> None:
-        req, params = seq.request, seq.params
-        token = int(out.tokens[row])
-        if token in self.engine.tokenizer.eog_ids:
-            return self._finish(seq, "stop", self._closing(seq))
-        if seq.matcher is not None:
-            seq.matcher.consume(token)
-        seq.n += 1
-        if params.logprobs:
-            k = min(params.top_logprobs, MAX_TOP_LOGPROBS)
-            top = [(int(a), float(b)) for a, b in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])]
-            seq.pending.append(TokenInfo(token, float(out.logprob[row]), top))
-        was_reasoning = seq.text.in_reasoning
-        delta = seq.text.push(token)
-        if delta.stopped:
-            return self._finish(seq, "stop", delta)
-        if delta or seq.pending:
-            self._emit(seq, delta)
-        if delta.looping and not self._compelled(seq):
-            return self._finish(seq, "repetition_loop", self._closing(seq))
-        budget = req.reasoning_budget if req.think else 0
-        if was_reasoning and seq.text.in_reasoning and not seq.forced:
-            seq.reasoning_tokens += 1
-            if budget > 0 and seq.reasoning_tokens == budget:
-                seq.forced = list(self.force_close)
-        if seq.n >= req.max_tokens or len(seq.history) + 1 >= self.engine.ctx:
-            return self._finish(seq, "length", self._closing(seq))
-        seq.last = token
+        if seq not in self.running:  # its request failed earlier in this step
+            return
+        try:
+            top = ([(int(a), float(b)) for a, b in zip(out.top_ids[row], out.top_logprobs[row])]
+                   if seq.params.logprobs else [])
+            outcome: Outcome = seq.accept(int(out.tokens[row]), float(out.logprob[row]), top, self.policy)
+        except Exception as e:  # noqa: BLE001 - a fault in one choice's text handling fails that request
+            log.exception("token handling failed")
+            return self._fail(seq.state, RequestError("server_error", f"generation failed: {e}"))
+        if outcome.finish is not None:
+            return self._finish(seq, outcome.finish, outcome.delta)
+        self._emit(seq, outcome.delta)
 
-    @staticmethod
-    def _compelled(seq: Sequence) -> bool:
-        """A choice the grammar compels to a call or a JSON value: a loop inside it runs into the
-        grammar's bounds or max_tokens and is closed there, rather than cut off unfinished."""
-        g = seq.matcher.grammar if seq.matcher is not None else None
-        return g is not None and (g.kind == "json" or g.mode in ("required", "named"))
+    def _step_failed(self, plan: Plan, error: Exception) -> None:
+        """The device step raised. Its requests fail; slots whose contents are now unknown forget
+        them (every slot, when a state buffer was lost); everything else keeps serving."""
+        self.failed_steps += 1
+        log.error("device step failed (%d so far): %s", self.failed_steps, error, exc_info=error)
+        try:
+            lost_all = self.runner.repair()
+        except Exception:  # noqa: BLE001
+            log.exception("could not repair the device state")
+            lost_all = True
+        # A KV cache only ever wrote past each row's committed history, so the committed part is
+        # intact; a recurrent state was updated in place by some layers, so it is not.
+        keeps_history = self.table.can_truncate and not lost_all
+        victims = self.running if lost_all else plan.sequences
+        states = {id(s.state): s.state for s in victims}
+        for s in list(victims):
+            if not keeps_history:
+                s.history = []
+        if lost_all:
+            for slot in self.table.slots:
+                if not slot.busy:
+                    self.table.invalidate(slot)  # its session's next turn re-prefills
+        message = f"generation failed on the device: {type(error).__name__}: {error}"
+        for st in states.values():
+            self._fail(st, RequestError("server_error", message))
 
-    def _closing(self, seq: Sequence):
-        """End of a choice: a constrained call that can still close gets its closing text appended
-        (the grammar allowed the end token only where that is possible), then the text is flushed."""
-        closing = seq.matcher.closing_text() if seq.matcher is not None else None
-        if closing:
-            self._emit(seq, seq.text.push_text(closing))
-        return seq.text.finish()
-
+    # ---- events -----------------------------------------------------------------------------------------
     def _emit(self, seq: Sequence, delta) -> None:
-        if delta or seq.pending:
+        if (delta is not None and delta) or seq.pending:
             seq.state.emit(Delta(seq.index, delta.reasoning, delta.content, seq.pending, delta.tool_calls))
             seq.pending = []
 
     def _finish(self, seq: Sequence, reason: str | None, delta=None) -> None:
-        """reason None: cancelled (nothing more is sent)."""
+        """reason None: cancelled or failed (nothing more is sent for this choice)."""
         st = seq.state
         if delta is not None:
             self._emit(seq, delta)
@@ -358,11 +382,10 @@ class Scheduler:
             if seq.text.n_tool_calls and reason != "repetition_loop":
                 reason = "tool_calls"
             error = seq.text.tool_errors[0].to_dict() if seq.text.tool_errors else None
-            closed = None if seq.matcher is None else seq.matcher.closing_text() == ""
-            st.emit(ChoiceEnd(seq.index, reason, seq.n, error, closed))
+            st.emit(ChoiceEnd(seq.index, reason, seq.n, error, seq.grammar_closed))
         self._sequence_gone(st)
 
-    def _sequence_gone(self, st: _RequestState) -> None:
+    def _sequence_gone(self, st: RequestState) -> None:
         st.remaining -= 1
         if st.remaining == 0:
             if not st.failed and not st.request.cancelled.is_set():
@@ -371,7 +394,7 @@ class Scheduler:
             st.emit(None)  # end of stream
             self._unreserve()
 
-    def _fail(self, st: _RequestState, error: RequestError) -> None:
+    def _fail(self, st: RequestState, error: RequestError) -> None:
         if st.failed:
             return
         st.failed = True

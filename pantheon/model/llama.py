@@ -117,9 +117,11 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
     positions attended, >= max(positions) + 1. numerics: activation rounding (numerics.py).
 
     Returns (logits [B, V] — or [B, T, V] when all_logits — and the updated cache). The cache's
-    per-layer buffers are donated: the caller must use the returned cache."""
+    per-layer buffers are donated and replaced in `cache`'s own lists as each layer runs."""
     x = call("embed", embed, (params["embed"], tokens), dict(spec=spec))
-    ks, vs = list(cache.k), list(cache.v)
+    # The cache's per-layer lists are updated in place, layer by layer: if a later layer fails,
+    # the caller's cache still names every live buffer (the donated ones are already replaced).
+    ks, vs = cache.k, cache.v
     kernels = block_kernels(spec, cache, tokens.shape[1])
     static = dict(spec=spec, numerics=numerics, kv_len=kern.program_kv_len(kernels, kv_len, cache.ctx), kernels=kernels)
     plain = dict(spec=spec, numerics=numerics)

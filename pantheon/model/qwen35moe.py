@@ -349,7 +349,9 @@ def forward(params, state: HybridState, tokens, positions, slots, logit_index, *
     position + 1. Returns (logits [B, V], or [B, T, V] with all_logits, and the new state). The
     state's buffers are donated: use the returned state."""
     x = call("embed", embed, (params["embed"], tokens), {})
-    ks, vs, convs, ssms = list(state.k), list(state.v), list(state.conv), list(state.ssm)
+    # Updated in place, layer by layer, so that a failure mid-forward leaves `state` naming every
+    # live buffer (see llama.forward).
+    ks, vs, convs, ssms = state.k, state.v, state.conv, state.ssm
     kernels = layer_kernels(spec, params, state, tokens.shape[1])
     ia = ir = 0  # index into the attention / DeltaNet state lists
     for i, w in enumerate(params["layers"]):

@@ -7,10 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pantheon.engine.sampler import MAX_TEMPERATURE
 from pantheon.web.errors import invalid
 
 MAX_TOKENS_DEFAULT, MAX_TOKENS_NONPOSITIVE, MAX_TOKENS_CAP = 1024, 512, 1048576
 MAX_N = 8
+INT32_MAX = 2**31 - 1
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -135,9 +137,11 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
     return ChatRequest(
         messages=_messages(body.get("messages")),
         model=model if isinstance(model, str) else None,
-        temperature=_number(body, "temperature", 0.7),
-        top_p=_number(body, "top_p", 0.95),
-        top_k=_number(body, "top_k", 40, int),
+        # Sampling fields are clamped into what the sampler's device arrays hold, here, at parse
+        # time: no value of one request can overflow the batch it decodes in.
+        temperature=_clamp(_number(body, "temperature", 0.7), 0.0, MAX_TEMPERATURE),
+        top_p=_clamp(_number(body, "top_p", 0.95), 0.0, 1.0),
+        top_k=_clamp(_number(body, "top_k", 40, int), 0, INT32_MAX),
         max_tokens=max_tokens,
         stop=_stop(body.get("stop")),
         stream=bool(body.get("stream", False)),

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
 from quart import Blueprint, Response, current_app, request
 
 from pantheon.engine.scheduler import BusyError, MemoryConstrained
-from pantheon.engine.chat import ChatPlan, PlanError, plan_chat
+from pantheon.engine.chat import ChatPlan, PlanError, PromptOverBudget, plan_chat
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
@@ -34,23 +35,25 @@ async def list_models():
 async def chat_completions():
     state = current_app.pantheon
     state.refuse_if_shutting_down()
-    chat = parse_chat_request(await json_body(), request.headers.get("X-Session-Id"))
-    engine = state.resolve(chat.model, chat.session_id)
+    state.admitting += 1  # a shutdown drain waits for this turn from here on
     try:
-        plan = plan_chat(engine, chat)
-    except PlanError as e:
-        raise invalid(str(e)) from None
-    prompt_ids = plan.request.prompt_ids
-    kv_cap = engine.effective_ctx
-    if len(prompt_ids) >= kv_cap:
-        msg = (f"prompt of {len(prompt_ids)} tokens exceeds the context window: kv_used={len(prompt_ids)} "
-               f"kv_cap={kv_cap}; shorten the conversation")
-        if chat.stream:
-            body = sse.event(error_body("context_over_budget", msg, kv_used=len(prompt_ids), kv_cap=kv_cap))
-            return Response(body, status=200, content_type="text/event-stream")
-        raise ApiError(422, "context_over_budget", msg)
-    events = engine.submit(plan.request)
-    await _admitted(events, engine)
+        chat = parse_chat_request(await json_body(), request.headers.get("X-Session-Id"))
+        engine = state.resolve(chat.model, chat.session_id)
+        kv_cap = engine.effective_ctx
+        try:
+            # Rendering, tokenizing and grammar compiles are CPU work: off the event loop.
+            plan = await asyncio.to_thread(plan_chat, engine, chat, kv_cap)
+        except PlanError as e:
+            raise invalid(str(e)) from None
+        except PromptOverBudget as e:
+            if chat.stream:
+                body = sse.event(error_body("context_over_budget", str(e), kv_used=e.tokens, kv_cap=e.kv_cap))
+                return Response(body, status=200, content_type="text/event-stream")
+            raise ApiError(422, "context_over_budget", str(e)) from None
+        events = engine.submit(plan.request)
+        await _admitted(events, engine)
+    finally:
+        state.admitting -= 1
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": engine.name}
     if chat.stream:
         response = Response(_stream(chat, plan, meta, events, engine), content_type="text/event-stream",
@@ -237,14 +240,15 @@ async def _stream(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine)
                 yield sse.DONE
             elif isinstance(ev, RequestError):
                 # The status line is already sent. context_over_budget ends the stream as an error
-                # event; any other failure closes the open choices with "stop".
+                # event; any other failure closes the open choices with "stop" (the contract) and
+                # then says why in an error event, so a client can tell a failure from a natural end.
                 if ev.type == "context_over_budget":
                     yield sse.event(error_body(ev.type, ev.message, **ev.fields))
                     return
                 out = release()
                 for i in range(current, chat.n):
                     out += b"".join(held.pop(i, [])) + (chunk(i, {}, finish="stop") if i not in ended else b"")
-                yield out + sse.DONE
+                yield out + sse.event(error_body(ev.type, ev.message, **ev.fields)) + sse.DONE
                 return
     finally:
         await events.aclose()

@@ -1,0 +1,180 @@
+"""The scheduler's core promises, on a tiny model through the Engine (no HTTP): long prompts are
+interleaved with running streams and with short prompts; a failed device step fails only its own
+requests and the model keeps serving, with the other sessions' caches intact."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from pantheon.engine.engine import Engine
+from pantheon.engine.events import Admitted, Delta, RequestEnd, RequestError
+from pantheon.engine.events import GenerationRequest
+from pantheon.engine.faults import FAULTS
+from pantheon.engine.sampler import SamplingParams
+from pantheon.engine.scheduler import SHARED_STEP_TOKENS
+from tests.fixtures.tiny_models import write_tiny_llama
+
+NO_END = ((0, -100.0), (2, -100.0))  # the tiny vocabulary's end-of-generation ids
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("sched") / "tiny.gguf",
+                            extra_metadata={"llama.context_length": 4096})
+    eng = Engine(path, "tiny", ctx_cap=4096, max_sessions=4)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def request(prompt, max_tokens=8, session_id=None, **sampling):
+    params = SamplingParams(**{"temperature": 0.0, "logprobs": True, "logit_bias": NO_END, **sampling})
+    return GenerationRequest(list(prompt), [params], max_tokens, session_id=session_id)
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 200, n)]
+
+
+class Recorder:
+    """Every event of several concurrent requests, in the order the device thread emitted them."""
+
+    def __init__(self):
+        self.log: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+
+    async def consume(self, engine, name: str, req: GenerationRequest, started: asyncio.Event | None = None):
+        async for ev in engine.submit(req):
+            with self.lock:
+                self.log.append((name, ev))
+            if started is not None and isinstance(ev, Delta):
+                started.set()
+
+    def first(self, name: str, kind) -> int:
+        return next(i for i, (n, ev) in enumerate(self.log) if n == name and isinstance(ev, kind))
+
+    def count(self, name: str, kind, start: int, end: int) -> int:
+        return sum(1 for n, ev in self.log[start:end] if n == name and isinstance(ev, kind))
+
+
+def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(engine):
+    long_prompt = prompt_of(1500, 1)
+    rec = Recorder()
+
+    async def main():
+        started = asyncio.Event()
+        stream = asyncio.create_task(rec.consume(engine, "stream", request(prompt_of(8, 2), max_tokens=400), started))
+        await started.wait()
+        await rec.consume(engine, "long", request(long_prompt, max_tokens=1))
+        await stream
+
+    asyncio.run(main())
+    admitted, first = rec.first("long", Admitted), rec.first("long", Delta)
+    chunks = -(-len(long_prompt) // SHARED_STEP_TOKENS)
+    # one decode step of the stream rides along with every prefill chunk of the long prompt
+    assert rec.count("stream", Delta, admitted, first) >= chunks - 1
+
+
+def test_a_short_prompt_is_answered_before_a_long_prompt_ahead_of_it_finishes_prefilling(engine):
+    rec = Recorder()
+
+    async def main():
+        long = asyncio.create_task(rec.consume(engine, "long", request(prompt_of(3000, 3), max_tokens=1)))
+        await asyncio.sleep(0)  # queued first
+        await rec.consume(engine, "short", request(prompt_of(5, 4), max_tokens=2))
+        await long
+
+    asyncio.run(main())
+    assert rec.first("short", RequestEnd) < rec.first("long", Delta)
+
+
+def test_the_short_requests_output_does_not_depend_on_the_long_prompt_beside_it(engine):
+    short = request(prompt_of(6, 5), max_tokens=6)
+    alone = engine_tokens(engine, short)
+
+    async def main():
+        rec = Recorder()
+        long = asyncio.create_task(rec.consume(engine, "long", request(prompt_of(900, 6), max_tokens=2)))
+        await asyncio.sleep(0)
+        await rec.consume(engine, "short", request(prompt_of(6, 5), max_tokens=6))
+        await long
+        return [t.token for n, ev in rec.log if n == "short" and isinstance(ev, Delta) for t in ev.tokens]
+
+    assert asyncio.run(main()) == alone
+
+
+def engine_tokens(engine, req) -> list[int]:
+    async def main():
+        return [t.token async for ev in engine.submit(req) if isinstance(ev, Delta) for t in ev.tokens]
+
+    return asyncio.run(main())
+
+
+def run_events(engine, req) -> list:
+    async def main():
+        return [ev async for ev in engine.submit(req)]
+
+    return asyncio.run(main())
+
+
+def test_a_failed_step_fails_its_request_and_the_next_request_and_sessions_are_served(engine):
+    first = run_events(engine, request(prompt_of(20, 7), max_tokens=5, session_id="kept"))
+    end = next(ev for ev in first if isinstance(ev, RequestEnd))
+    history = prompt_of(20, 7) + [t.token for ev in first if isinstance(ev, Delta) for t in ev.tokens]
+
+    FAULTS.set("step", 1)
+    failed = run_events(engine, request(prompt_of(30, 8), max_tokens=5))
+    errors = [ev for ev in failed if isinstance(ev, RequestError)]
+    assert errors and errors[0].type == "server_error" and "injected" in errors[0].message
+    assert not any(isinstance(ev, RequestEnd) for ev in failed)
+    assert engine.scheduler.failed_steps >= 1
+
+    after = run_events(engine, request(prompt_of(30, 8), max_tokens=5))
+    assert any(isinstance(ev, RequestEnd) for ev in after)
+    resumed = run_events(engine, request(history + prompt_of(4, 9), max_tokens=3, session_id="kept"))
+    resumed_end = next(ev for ev in resumed if isinstance(ev, RequestEnd))
+    assert resumed_end.cached_tokens >= end.prompt_tokens + end.completion_tokens - 1
+
+
+def test_a_failed_decode_step_leaves_batch_mates_outside_the_step_untouched_and_recovers(engine):
+    """The fault hits a decode step (a stream is running); afterwards the same prompt decodes to the
+    same tokens as before the fault: the KV cache was not corrupted by the half-run step."""
+    prompt = prompt_of(12, 10)
+    before = engine_tokens(engine, request(prompt, max_tokens=6))
+
+    async def main():
+        started = asyncio.Event()
+        rec = Recorder()
+        task = asyncio.create_task(rec.consume(engine, "s", request(prompt_of(12, 11), max_tokens=50), started))
+        await started.wait()
+        FAULTS.set("step", 1)
+        await task
+        return rec.log
+
+    log = asyncio.run(main())
+    assert any(isinstance(ev, RequestError) for _, ev in log)
+    assert engine_tokens(engine, request(prompt, max_tokens=6)) == before
+
+
+def test_repair_replaces_a_deleted_state_buffer(engine):
+    def go():
+        engine.runner.cache.k[0].delete()
+        return engine.runner.repair()
+
+    lost = asyncio.run(engine.call(go))
+    assert lost is True and not engine.runner.cache.k[0].is_deleted()
+    assert any(isinstance(ev, RequestEnd) for ev in run_events(engine, request(prompt_of(10, 12), max_tokens=3)))
+
+
+def test_hostile_sampling_values_are_clamped_into_device_range():
+    p = SamplingParams(temperature=float("inf"), top_p=7.0, top_k=2**31, presence_penalty=1e9,
+                       frequency_penalty=float("nan"), top_logprobs=10**6,
+                       logit_bias=((5, 1e9), (10**12, 1.0), (-3, 1.0)))
+    s = p.sanitized(1000)
+    assert s.top_k == 1000 and s.top_p == 1.0 and 0 < s.temperature <= 1e4
+    assert s.presence_penalty == 2.0 and s.frequency_penalty == 0.0 and s.top_logprobs == 20
+    assert s.logit_bias == ((5, 100.0),)
