@@ -15,8 +15,10 @@ ENV_REASONING_BUDGET = "PANTHEON_REASONING_BUDGET"
 ENV_NO_THINK = "PANTHEON_NO_THINK"
 ENV_TOOL_GRAMMAR = "PANTHEON_TOOL_GRAMMAR"
 ENV_COMPILE_CACHE = "PANTHEON_COMPILE_CACHE"
+ENV_MAX_BODY_BYTES = "PANTHEON_MAX_BODY_BYTES"
 
 DEFAULT_CTX_CAP = 4096
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 request_too_large (not session restore)
 
 
 def pantheon_home() -> Path:
@@ -48,6 +50,7 @@ ENV_QUEUE_DEPTH = "BS_QUEUE_DEPTH"
 DEFAULT_QUEUE_DEPTH = 32
 ENV_SESSION_IDLE_TTL = "PN_SESSION_IDLE_TTL_MS"
 ENV_WATCH_GRACE = "PN_SESSION_WATCH_GRACE_MS"
+ENV_SESSION_HOST_BYTES = "PN_SESSION_HOST_BYTES"  # host tier for idle sessions; default a quarter of RAM
 MAX_MODEL_DIES = 8  # PN_MODEL_MAX_DIES
 
 
@@ -75,6 +78,7 @@ class ServeConfig:
     reasoning_budget: int | None = None
     dies: tuple[int, ...] | None = None
     numerics: str = "exact"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -83,13 +87,26 @@ class ServeConfig:
             path, _, name = item.partition(",")
             models.append((path.strip(), name.strip() or None))
         return cls(models=tuple(models), ctx_cap=_env_int(ENV_CTX_CAP), max_sessions=_env_int(ENV_MAX_SESSIONS),
-                   max_concurrent=_env_int(ENV_MAX_CONCURRENT), reasoning_budget=_env_int(ENV_REASONING_BUDGET))
+                   max_concurrent=_env_int(ENV_MAX_CONCURRENT), reasoning_budget=_env_int(ENV_REASONING_BUDGET),
+                   max_body_bytes=_env_int(ENV_MAX_BODY_BYTES) or DEFAULT_MAX_BODY_BYTES)
 
     def model_config(self, path: str, name: str | None) -> ModelConfig:
         served = name or Path(path).name.removesuffix(".gguf")
         return ModelConfig(path=path, name=served, ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
                            reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics)
+
+
+def session_host_bytes() -> int:
+    """The process-wide budget for sessions moved to host memory (PN_SESSION_HOST_BYTES; 0 disables
+    the tier). Default: a quarter of physical memory."""
+    value = _env_int(ENV_SESSION_HOST_BYTES)
+    if value is not None:
+        return max(value, 0)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def no_think_default() -> bool:

@@ -2,7 +2,8 @@
 
     b"PNSB" | u32 version | u32 header length | header JSON | array bytes... | sha256 (32 bytes)
 
-The header names the architecture, the weights version, n_tok, the committed tokens' count, and
+The header names the architecture, the weights version, n_tok (the committed tokens' count),
+`tokens_sha256` (the digest of those tokens, `tokens_digest`: a restore must send exactly them), and
 each array (name, dtype, shape) in payload order. Arrays are generic: attention models store
 k.<layer>/v.<layer>; recurrent models add their conv/ssm state arrays under their own names, so
 a new architecture adds fields without a new format."""
@@ -15,11 +16,16 @@ import struct
 
 import numpy as np
 
-MAGIC, VERSION = b"PNSB", 1
+MAGIC, VERSION = b"PNSB", 2  # 2: the header carries tokens_sha256
 
 
 class BlobError(ValueError):
     pass
+
+
+def tokens_digest(tokens: list[int]) -> str:
+    """sha256 of the token ids as little-endian int64."""
+    return hashlib.sha256(np.asarray(tokens, "<i8").tobytes()).hexdigest()
 
 
 def pack(header: dict, arrays: dict[str, np.ndarray]) -> bytes:

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 
 import jax
+import numpy as np
 import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -21,10 +22,12 @@ from pantheon.engine.memory import MemoryLadder
 from pantheon.engine.runner import ModelRunner
 from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
-from pantheon.engine.sessions import CapacityError, SessionError, SlotTable
+from pantheon.config import session_host_bytes
+from pantheon.engine.sessions import CapacityError, HostBudget, Parked, SessionError, SlotTable, process_host_budget
 from pantheon.gguf.reader import GGUFFile, open_gguf
 from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
+from pantheon.model.state import POSITIONAL
 from pantheon.model.weights import params_nbytes
 from pantheon.text.chat_template import ChatTemplate
 from pantheon.text.reasoning import think_mode
@@ -38,7 +41,7 @@ class Engine:
     def __init__(self, path: str | Path, name: str | None = None, ctx_cap: int = 4096, max_sessions: int = 4,
                  max_concurrent: int = 0, batching: bool = True, queue_depth: int = 32,
                  numerics: str = "exact", reasoning_budget: int = 0, device=None,
-                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0):
+                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, host_budget: HostBudget | None = None):
         t0 = time.perf_counter()
         self.path = Path(path)
         self.gguf: GGUFFile = open_gguf(self.path)
@@ -63,8 +66,12 @@ class Engine:
         self.device = device
         params = family.load_params(self.gguf, self.spec, device=device)
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device)
+        # Idle sessions move to host memory (the process-wide PN_SESSION_HOST_BYTES budget) rather
+        # than lock the model out or lose their KV; see pantheon/engine/sessions.py.
         self.table = SlotTable(n_slots, max_sessions, can_truncate=family.can_truncate, idle_ttl_s=idle_ttl_s,
-                               watch_grace_s=watch_grace_s)
+                               watch_grace_s=watch_grace_s, spill=self._spill_slot, fill=self._fill_slot,
+                               spill_bytes=self._spill_nbytes,
+                               host=host_budget or process_host_budget(session_host_bytes()))
         devices = list(device.devices.flat) if hasattr(device, "devices") else [device] if device is not None else []
         self.ladder = MemoryLadder(devices=devices)
         self.scheduler = Scheduler(self, self.runner, self.table, queue_depth if batching else 0)
@@ -191,20 +198,56 @@ class Engine:
         self.scheduler.put(("generate", (request, lambda ev: ev is not None and emit(ev))))
         self.scheduler.loop(until_idle=True)
 
+    # ---- the session host tier's callbacks (device thread) ------------------------------------------
+    def _tier_len(self, n_tok: int) -> int:
+        """Positions a spill moves: n_tok rounded up to 64 x {1, 1.5, 2, 3, 4, 6, ...} (capped at the
+        cache), so conversations of every length share a handful of copy shapes (no compile per length).
+        The extra positions are stale, and a slot's positions past its history are never attended."""
+        b = 64
+        while b < n_tok:
+            b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+        return max(n_tok, min(b, self.runner.ctx))
+
+    def _spill_slot(self, slot: int, n_tok: int) -> dict:
+        arrays = self.runner.export_slot(slot, self._tier_len(n_tok))
+        # A host-resident layer (the KV allocation fallback) exports a view of the live cache: copy it.
+        return {k: a.copy() if a.flags.writeable else a for k, a in arrays.items()}
+
+    def _fill_slot(self, slot: int, arrays: dict) -> None:
+        out = {}
+        for k, a in arrays.items():  # a restored blob holds exactly n_tok positions: pad to the tier length
+            if k.split(".")[0] in POSITIONAL and (m := self._tier_len(a.shape[0])) != a.shape[0]:
+                padded = np.zeros((m, *a.shape[1:]), a.dtype)
+                padded[:a.shape[0]] = a
+                a = padded
+            out[k] = a
+        self.runner.import_slot(slot, out)
+
+    def _spill_nbytes(self, n_tok: int) -> int:
+        layout = self.runner.slot_layout(self._tier_len(n_tok))
+        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+
+    @staticmethod
+    def _exact(arrays: dict, n_tok: int) -> dict:
+        return {k: a[:n_tok] if k.split(".")[0] in POSITIONAL else a for k, a in arrays.items()}
+
     # ---- session export / restore (device thread: run through `call`) -------------------------------
     def export_session(self, session_id: str) -> dict:
+        """The id's most recently used conversation, from its slot or from the host tier."""
         if session_id not in self.table.sessions:
             raise SessionError(404, "session_not_found", f"no live session {session_id!r}")
         if self.table.session_busy(session_id):
             raise SessionError(429, "session_busy", f"a turn is in flight on session {session_id!r}; retry after it")
-        slot = self.table.latest_slot(session_id)
-        if slot is None:
+        conv = self.table.latest(session_id)
+        if conv is None:
             raise SessionError(404, "session_not_found", f"session {session_id!r} holds no cached conversation")
-        n_tok = len(slot.tokens)
-        data = session_blob.pack({"arch": self.spec.arch, "weights_version": self.weights_version, "n_tok": n_tok},
-                                 self.runner.export_slot(slot.index, n_tok))
+        n_tok = len(conv.tokens)
+        arrays = conv.arrays if isinstance(conv, Parked) else self.runner.export_slot(conv.index, self._tier_len(n_tok))
+        header = {"arch": self.spec.arch, "weights_version": self.weights_version, "n_tok": n_tok,
+                  "tokens_sha256": session_blob.tokens_digest(conv.tokens)}
+        data = session_blob.pack(header, self._exact(arrays, n_tok))
         return {"session_id": session_id, "weights_version": self.weights_version, "n_tok": n_tok,
-                "blob_bytes": len(data), "blob": data, "tokens": list(slot.tokens)}
+                "blob_bytes": len(data), "blob": data, "tokens": list(conv.tokens)}
 
     def restore_session(self, session_id: str, data: bytes, tokens: list[int]) -> dict:
         try:
@@ -217,28 +260,22 @@ class Engine:
         if header.get("weights_version") != self.weights_version:
             raise SessionError(409, "weights_version_mismatch", "blob was captured under different weights; "
                                                                 "replay the conversation instead")
+        # bool is an int subclass in Python: `true` is not token 1
+        if not isinstance(tokens, list) or any(type(t) is not int or not 0 <= t < self.spec.n_vocab for t in tokens):
+            raise bad("tokens must be integer token ids of this model")
         n_tok = header.get("n_tok")
-        if not isinstance(n_tok, int) or n_tok != len(tokens):
+        if type(n_tok) is not int or n_tok != len(tokens):
             raise bad(f"blob covers {n_tok} tokens but {len(tokens)} tokens were sent")
         if not 0 < n_tok < self.ctx:
             raise bad(f"blob of {n_tok} tokens does not fit this model's window ({self.ctx})")
-        if any(not isinstance(t, int) or not 0 <= t < self.spec.n_vocab for t in tokens):
-            raise bad("tokens must be token ids of this model")
+        if header.get("tokens_sha256") != session_blob.tokens_digest(tokens):
+            raise bad("tokens are not the ones this blob was exported with")
         layout = self.runner.slot_layout(n_tok)
         got = {k: (tuple(a.shape), str(a.dtype)) for k, a in arrays.items()}
         if got != layout:
             raise bad("blob arrays do not fit this model's state layout")
         try:
-            claimed = self.table.acquire(session_id, list(tokens))
+            self.table.restore(session_id, list(tokens), arrays)
         except CapacityError:
-            claimed = None
-        if claimed is None:
-            raise SessionError(429, "model_at_session_capacity", "no free session slot for the restore")
-        slot, _ = claimed
-        try:
-            self.runner.import_slot(slot.index, arrays)
-        except Exception:
-            self.table.release_slot(slot, [])
-            raise
-        self.table.release_slot(slot, list(tokens))
+            raise SessionError(429, "model_at_session_capacity", "no free session slot for the restore") from None
         return {"restored": True, "session_id": session_id, "n_tok": n_tok}

@@ -1,14 +1,43 @@
-"""The slot and session table: which conversation's KV each slot holds, who owns it, prefix reuse.
+"""The slot and session table: which conversation's KV each slot holds, who owns it, prefix reuse,
+and the host tier that idle sessions move to instead of being evicted.
 
-Owned by the device thread (no locks). A slot holds one conversation: the token history whose KV
-(and, for recurrent models, state) is in the cache. A session id owns one or more slots — one per
-conversation it carries; `max_sessions` caps the number of live ids. Slots without a live owner keep
-their history, so an anonymous request whose prompt extends it reuses the prefix for free."""
+Owned by the device thread (no locks; `tiers()` is safe to read from others).
+
+Data model
+----------
+* A *slot* holds one conversation on the device: the token history whose KV (and, for recurrent
+  models, state) is in the cache. Its `owner` is a live session id, or None (an anonymous request's
+  history, or one whose owner was released or moved to the host: still reusable as a prefix).
+* A *session* (id) carries one or more *conversations* (opencode sends a title request and its real
+  turns under one id). Each conversation lives in one place: a slot it owns (device tier), or a
+  `Parked` entry on the session (host tier: the arrays `spill` returned, the same bytes an export
+  holds). A turn resumes from the conversation its prompt *continues* (its whole history is a prefix
+  of the prompt), wherever it is; a parked one is `fill`ed back into a slot first (no re-prefill).
+  A prompt that continues none starts a new conversation in another slot; on attention-only models
+  it is seeded with the longest prefix it shares with one of the id's conversations (copied, so that
+  conversation stays intact: copy-on-diverge).
+* `max_sessions` bounds the ids *on the device* (owning at least one slot), not conversations and
+  not ids on the host. A new id at the bound moves the least recently used idle, unwatched session
+  to the host; only when every session on the device is busy or watched is it refused
+  (CapacityError -> 429 model_at_session_capacity). Idle sessions therefore never lock a model out.
+* An anonymous request never destroys a live session's KV: it takes a slot no live session owns, or
+  an idle unwatched session's slot after that conversation was parked; otherwise it waits (None).
+* The host tier is bounded (`HostBudget`, PN_SESSION_HOST_BYTES); past it the least recently used
+  parked conversation of this table is dropped (that session's next turn re-prefills; the id stays
+  live). Without a host tier (no callbacks, or a zero budget) nothing is ever parked: new ids over
+  the bound get the 429 and anonymous requests wait for a slot no live session holds.
+* `session_conflict` is reported only when a conversation had to overwrite another of the same id
+  without parking it (no host tier, or the spill failed)."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -17,6 +46,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def is_prefix(history: list[int], tokens: list[int]) -> bool:
+    return len(history) <= len(tokens) and tokens[:len(history)] == history
 
 
 @dataclass
@@ -28,17 +61,28 @@ class Slot:
     last_used: float = 0.0
 
 
+@dataclass(eq=False)  # identity: the arrays do not compare
+class Parked:
+    """A conversation on the host tier: its history and the arrays `spill` returned for it."""
+
+    tokens: list[int]
+    arrays: dict
+    nbytes: int
+    last_used: float
+
+
 @dataclass
 class Session:
     id: str
     last_used: float
     watchers: int = 0
     release_at: float | None = None  # a closed watch's grace deadline
-    conflict: bool = False  # two conversations evicted each other under this id
+    conflict: bool = False  # a conversation overwrote another of this id (not parked)
+    host: list[Parked] = field(default_factory=list)  # conversations moved to host memory
 
 
 class CapacityError(Exception):
-    """A new session id while every session slot holds a live session."""
+    """A session id that needs the device while `max_sessions` ids hold it, all busy or watched."""
 
 
 class SessionError(Exception):
@@ -49,78 +93,211 @@ class SessionError(Exception):
         self.status, self.type, self.message = status, type_, message
 
 
-class SlotTable:
-    """Slots are shared: an anonymous request that finds every free slot held by an idle session
-    borrows the least recently used one (that session's next turn re-prefills) rather than starve."""
+class HostBudget:
+    """Host-memory bytes the parked conversations may hold. One per process (every model's table
+    draws on it), so it is thread-safe."""
 
+    def __init__(self, limit: int):
+        self.limit, self.used = max(0, int(limit)), 0
+        self._lock = threading.Lock()
+
+    def reserve(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def free(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+_process_budget: HostBudget | None = None
+
+
+def process_host_budget(limit: int) -> HostBudget:
+    """The process-wide host tier (created with `limit` on first use)."""
+    global _process_budget
+    if _process_budget is None:
+        _process_budget = HostBudget(limit)
+    return _process_budget
+
+
+Spill = Callable[[int, int], dict]  # (slot index, n_tok) -> host arrays of that slot's first n_tok
+Fill = Callable[[int, dict], None]  # (slot index, arrays) -> those arrays installed in the slot
+
+
+class SlotTable:
     def __init__(self, n_slots: int, max_sessions: int, can_truncate: bool = True,
-                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, max_watches: int = 64):
+                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, max_watches: int = 64,
+                 spill: Spill | None = None, fill: Fill | None = None, host: HostBudget | None = None,
+                 spill_bytes: Callable[[int], int] | None = None):
         self.slots = [Slot(i) for i in range(n_slots)]
         self.sessions: dict[str, Session] = {}
         self.max_sessions = max_sessions
         self.can_truncate = can_truncate  # attention-only caches can resume from any common prefix
         self.idle_ttl_s, self.watch_grace_s, self.max_watches = idle_ttl_s, watch_grace_s, max_watches
+        self.spill, self.fill = spill, fill
+        self.host = host if host is not None else HostBudget(0)
+        self.spill_bytes = spill_bytes  # an estimate of spill's bytes, to refuse early what cannot fit
+        self.host_bytes = 0  # this table's parked bytes
+        self.spills = self.fills = self.copies = self.dropped = 0
+        self._pinned: Parked | None = None
+
+    @property
+    def tiered(self) -> bool:
+        return self.spill is not None and self.fill is not None and self.host.limit > 0
 
     # ---- prefix reuse -------------------------------------------------------------------------------
     def reusable(self, slot: Slot, prompt: list[int]) -> int:
         """How many leading prompt tokens the slot's cache can serve (at least one token is always
         left to prefill, for the logits)."""
-        n = common_prefix(slot.tokens, prompt)
+        return self._reusable(slot.tokens, prompt)
+
+    def _reusable(self, history: list[int], prompt: list[int]) -> int:
+        n = common_prefix(history, prompt)
         if not self.can_truncate:  # recurrent state cannot be rewound: all of the history or nothing
-            return n if n == len(slot.tokens) and n < len(prompt) else 0
+            return n if n == len(history) and n < len(prompt) else 0
         return min(n, len(prompt) - 1)
+
+    def _continues(self, history: list[int], prompt: list[int]) -> bool:
+        """The prompt carries on this conversation: its whole history is a prefix of the prompt."""
+        return bool(history) and is_prefix(history, prompt) and self._reusable(history, prompt) > 0
 
     # ---- choosing a slot ----------------------------------------------------------------------------
     def acquire(self, session_id: str | None, prompt: list[int], use_cache: bool = True) -> tuple[Slot, int] | None:
-        """A free slot for this prompt and the number of cached tokens it reuses, or None when every
-        usable slot is busy (the caller waits). Raises CapacityError for a new id over max_sessions."""
+        """A free slot for this prompt and the number of cached tokens it reuses, or None when the
+        caller must wait for one. Raises CapacityError for an id that needs the device while
+        `max_sessions` ids hold it and none of them can move to the host."""
         now = time.monotonic()
-        free = [s for s in self.slots if not s.busy]
         if session_id is None:
-            return self._take(self._spare(free), prompt, use_cache, None, now)
+            return self._anonymous(prompt, use_cache, now)
         session = self.sessions.get(session_id)
-        if session is None:
-            if len(self.sessions) >= self.max_sessions:
-                raise CapacityError(session_id)
-            session = self.sessions[session_id] = Session(session_id, now)
-        session.last_used = now
-        session.release_at = None
-        free_owned = [s for s in free if s.owner == session_id]
-        best = max(free_owned, key=lambda s: self.reusable(s, prompt), default=None)
-        if best is not None and self.reusable(best, prompt) > 0 and use_cache:
-            return self._claim(best, session_id, prompt, use_cache, now)
-        unowned = [s for s in free if not self._live_owner(s)]
-        if unowned:  # a further conversation under this id gets its own slot
-            return self._take(unowned, prompt, use_cache, session_id, now)
-        if free_owned:  # no room: this conversation evicts another of the same id
-            if any(s.tokens for s in free_owned):
-                session.conflict = True
-            return self._claim(min(free_owned, key=lambda s: s.last_used), session_id, prompt, use_cache, now)
-        return self._take(self._spare(free), prompt, use_cache, session_id, now)
+        fresh = session is None
+        if fresh:
+            session = Session(session_id, now)
+        got = self._for_session(session, prompt, use_cache, now, fresh)
+        if got is not None:
+            self.sessions[session_id] = session
+            session.last_used, session.release_at = now, None
+        return got
 
-    def _spare(self, free: list[Slot]) -> list[Slot]:
-        """Free slots a request may take, best first: not held by a live session; else a session's
-        extra conversation; else the least recently used idle session's slot (it re-prefills)."""
+    def _anonymous(self, prompt, use_cache, now):
+        free = [s for s in self.slots if not s.busy]
         unowned = [s for s in free if not self._live_owner(s)]
         if unowned:
-            return unowned
-        held = {}
-        for s in self.slots:
-            if s.owner is not None:
-                held[s.owner] = held.get(s.owner, 0) + 1
-        extra = [s for s in free if held.get(s.owner, 0) > 1]
-        return sorted(extra or free, key=lambda s: s.last_used)[:1]
+            return self._claim(self._best(unowned, prompt, use_cache), None, prompt, use_cache, now)
+        for slot in sorted((s for s in free if self._spillable(self.sessions[s.owner])), key=lambda s: s.last_used):
+            if self._park(slot):  # the session keeps its conversation (host tier); its slot is ours
+                return self._claim(slot, None, prompt, use_cache, now)
+        return None
 
-    def _take(self, candidates: list[Slot], prompt, use_cache, owner, now):
-        if not candidates:
+    def _for_session(self, session: Session, prompt, use_cache, now, fresh):
+        sid = session.id
+        if use_cache:
+            own = [s for s in self.slots if s.owner == sid and not s.busy and self._continues(s.tokens, prompt)]
+            dev = max(own, key=lambda s: len(s.tokens), default=None)
+            parked = max((c for c in session.host if self._continues(c.tokens, prompt)),
+                         key=lambda c: len(c.tokens), default=None)
+            if dev is not None and (parked is None or len(dev.tokens) >= len(parked.tokens)):
+                return self._claim(dev, sid, prompt, use_cache, now)
+            if parked is not None:  # back from the host tier
+                self._pinned = parked  # making room must not drop the conversation being brought back
+                try:
+                    slot = self._twin(parked) if self._resident(session, fresh) else None
+                    slot = slot or self._room(session, prompt, False, now, fresh)
+                finally:
+                    self._pinned = None
+                if slot is None:
+                    return None
+                self._unpark(session, parked, slot)
+                return self._claim(slot, sid, prompt, use_cache, now)
+        slot = self._room(session, prompt, use_cache, now, fresh)  # a new conversation
+        if slot is None:
             return None
         if use_cache:
+            self._seed(slot, session, prompt)
+        return self._claim(slot, sid, prompt, use_cache, now)
+
+    def _room(self, session: Session, prompt, use_cache, now, fresh) -> Slot | None:
+        """A free slot for one more conversation of `session`, moving others to the host as needed."""
+        sid = session.id
+        if not self._resident(session, fresh):
+            return None
+        free = [s for s in self.slots if not s.busy]
+        unowned = [s for s in free if not self._live_owner(s)]
+        if unowned:
+            return self._best(unowned, prompt, use_cache)
+        own = [s for s in free if s.owner == sid]
+        others = sorted((s for s in free if s.owner != sid and self._spillable(self.sessions[s.owner])),
+                        key=lambda s: s.last_used)
+        if own:  # this id's own idle conversation first: the best shared prefix stays usable in place
+            own.sort(key=lambda s: (-self.reusable(s, prompt) if use_cache else 0, s.last_used))
+        for slot in own + others:
+            if self._park(slot):
+                return slot
+        if own:  # no host tier: this conversation evicts another of the same id
+            slot = own[0]
+            if slot.tokens:
+                session.conflict = True
+            return slot
+        return None
+
+    def _resident(self, session: Session, fresh: bool) -> bool:
+        """Make sure `session` may hold a slot: an id off the device needs one of the `max_sessions`
+        places, so the least recently used idle, unwatched session moves to the host. False: wait
+        (a live id, while a session that could make way is busy); CapacityError: refused."""
+        sid = session.id
+        if any(s.owner == sid for s in self.slots) or len(self._device_ids()) < self.max_sessions:
+            return True
+        if self._evict_session(sid):
+            return True
+        if not fresh and any(self.session_busy(o) and self.sessions[o].watchers == 0 for o in self._device_ids()):
+            return False
+        raise CapacityError(sid)
+
+    def _evict_session(self, keep: str) -> bool:
+        """Move the least recently used idle, unwatched session on the device to the host."""
+        candidates = [self.sessions[o] for o in self._device_ids() if o != keep and self._spillable(self.sessions[o])]
+        for victim in sorted(candidates, key=lambda s: s.last_used):
+            if all(self._park(s) for s in self.slots if s.owner == victim.id):
+                return True
+        return False
+
+    def _best(self, candidates: list[Slot], prompt, use_cache) -> Slot:
+        if use_cache:
             slot = max(candidates, key=lambda s: (self.reusable(s, prompt), -s.last_used))
-            if self.reusable(slot, prompt) == 0:
-                slot = min(candidates, key=lambda s: s.last_used)
-        else:
-            slot = min(candidates, key=lambda s: s.last_used)
-        return self._claim(slot, owner, prompt, use_cache, now)
+            if self.reusable(slot, prompt) > 0:
+                return slot
+        return min(candidates, key=lambda s: s.last_used)
+
+    def _seed(self, slot: Slot, session: Session, prompt) -> None:
+        """Copy-on-diverge (attention-only models): give a new conversation the longest prefix it
+        shares with another conversation of its id — copied from that one's slot, or filled from the
+        host tier — so that conversation stays intact where it is."""
+        if not (self.can_truncate and self.spill and self.fill):
+            return
+        have = self.reusable(slot, prompt)
+        src = max((s for s in self.slots if s.owner == session.id and not s.busy and s is not slot),
+                  key=lambda s: self.reusable(s, prompt), default=None)
+        parked = max(session.host, key=lambda p: self._reusable(p.tokens, prompt), default=None)
+        n_dev = self.reusable(src, prompt) if src is not None else 0
+        n_host = self._reusable(parked.tokens, prompt) if parked is not None else 0
+        if max(n_dev, n_host) <= have:
+            return
+        try:
+            if n_dev >= n_host:
+                self.fill(slot.index, self.spill(src.index, n_dev))
+                slot.tokens = src.tokens[:n_dev]
+            else:  # the whole parked conversation goes in; the slot keeps the shared part
+                self.fill(slot.index, parked.arrays)
+                slot.tokens = parked.tokens[:n_host]
+        except Exception:  # noqa: BLE001 - the new conversation prefills instead
+            log.exception("copying a shared prefix into a slot failed")
+            slot.tokens = []
+            return
+        self.copies += 1
 
     def _claim(self, slot: Slot, owner, prompt, use_cache, now):
         cached = self.reusable(slot, prompt) if use_cache else 0
@@ -131,20 +308,143 @@ class SlotTable:
     def _live_owner(self, slot: Slot) -> bool:
         return slot.owner is not None and slot.owner in self.sessions
 
+    def _device_ids(self) -> set[str]:
+        return {s.owner for s in self.slots if s.owner is not None and s.owner in self.sessions}
+
+    def _spillable(self, session: Session) -> bool:
+        return session.watchers == 0 and not self.session_busy(session.id)
+
     def release_slot(self, slot: Slot, history: list[int]) -> None:
         """A sequence finished: the slot now holds `history`."""
         slot.busy, slot.tokens, slot.last_used = False, history, time.monotonic()
+
+    def invalidate(self, slot: Slot) -> None:
+        """The slot's contents are unknown (a failed device step): forget them."""
+        slot.tokens = []
+
+    # ---- the host tier ------------------------------------------------------------------------------
+    def _park(self, slot: Slot) -> bool:
+        """Move an idle slot's conversation to the host tier and disown the slot (its tokens stay, a
+        reusable prefix until overwritten). False, with nothing changed, when it cannot be kept."""
+        if not slot.tokens or not self._live_owner(slot):
+            slot.owner = None
+            return True
+        if not self.tiered:
+            return False
+        n = len(slot.tokens)
+        if self.spill_bytes is not None and not self._fits(self.spill_bytes(n)):
+            return False
+        try:
+            arrays = self.spill(slot.index, n)
+        except Exception:  # noqa: BLE001 - the conversation stays on the device
+            log.exception("moving a session to the host tier failed")
+            return False
+        nbytes = sum(int(a.nbytes) for a in arrays.values())
+        if not self._make_room(nbytes):
+            return False
+        self.sessions[slot.owner].host.append(Parked(list(slot.tokens), arrays, nbytes, slot.last_used))
+        slot.owner = None
+        self.spills += 1
+        return True
+
+    def _twin(self, parked: Parked) -> Slot | None:
+        """A free, unowned slot that still holds exactly this parked conversation."""
+        return next((s for s in self.slots if not s.busy and not self._live_owner(s) and s.tokens == parked.tokens),
+                    None)
+
+    def _unpark(self, session: Session, parked: Parked, slot: Slot) -> None:
+        if slot.tokens != parked.tokens:
+            try:
+                self.fill(slot.index, parked.arrays)
+            except Exception:
+                slot.tokens, slot.owner = [], None  # contents unknown; the conversation stays parked
+                raise
+            slot.tokens = list(parked.tokens)
+            self.fills += 1
+        self._unstore(session, parked)
+
+    def _fits(self, nbytes: int) -> bool:
+        """Could `nbytes` be parked, dropping every conversation this table has parked if need be?"""
+        return nbytes <= self.host.limit - (self.host.used - self.host_bytes)
+
+    def _make_room(self, nbytes: int) -> bool:
+        if not self._fits(nbytes):
+            return False
+        while not self.host.reserve(nbytes):
+            lru = min(((s, p) for s in self.sessions.values() for p in s.host if p is not self._pinned),
+                      key=lambda sp: sp[1].last_used, default=None)
+            if lru is None:
+                return False
+            self._unstore(*lru)
+            self.dropped += 1
+        self.host_bytes += nbytes
+        return True
+
+    def _unstore(self, session: Session, parked: Parked) -> None:
+        if parked not in session.host:  # already dropped to make room
+            return
+        session.host.remove(parked)
+        self.host_bytes -= parked.nbytes
+        self.host.free(parked.nbytes)
+
+    # ---- export / restore ---------------------------------------------------------------------------
+    def latest(self, session_id: str) -> Slot | Parked | None:
+        """The id's most recently used conversation: an idle slot it owns, or a parked entry."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return None
+        convs: list = [s for s in self.slots if s.owner == session_id and s.tokens and not s.busy] + session.host
+        return max(convs, key=lambda c: c.last_used, default=None)
+
+    def restore(self, session_id: str, tokens: list[int], arrays: dict) -> str:
+        """Install a restored conversation: it replaces the conversation of this id that `tokens`
+        continue, else it is added. It goes into a slot when one can be had, else to the host tier
+        ("device" / "host"). Raises CapacityError when neither can take it."""
+        now = time.monotonic()
+        session = self.sessions.get(session_id)
+        fresh = session is None
+        if fresh:
+            session = Session(session_id, now)
+        superseded = [p for p in session.host if is_prefix(p.tokens, tokens)]
+        slot = max((s for s in self.slots if s.owner == session_id and not s.busy and is_prefix(s.tokens, tokens)),
+                   key=lambda s: len(s.tokens), default=None)
+        if slot is None:
+            try:
+                slot = self._room(session, tokens, False, now, fresh)
+            except CapacityError:
+                slot = None
+        if slot is not None:
+            try:
+                self.fill(slot.index, arrays)
+            except Exception:
+                slot.tokens, slot.owner = [], None
+                raise
+            slot.tokens, slot.owner, slot.last_used = list(tokens), session_id, now
+            where = "device"
+        else:
+            for parked in superseded:
+                self._unstore(session, parked)
+            superseded = []
+            nbytes = sum(int(a.nbytes) for a in arrays.values())
+            if not (self.tiered and self._make_room(nbytes)):
+                raise CapacityError(session_id)
+            session.host.append(Parked(list(tokens), arrays, nbytes, now))
+            where = "host"
+        for parked in superseded:
+            self._unstore(session, parked)
+        self.sessions[session_id] = session
+        session.last_used, session.release_at = now, None
+        return where
 
     # ---- sessions -----------------------------------------------------------------------------------
     def session_busy(self, session_id: str) -> bool:
         return any(s.busy for s in self.slots if s.owner == session_id)
 
-    def latest_slot(self, session_id: str) -> Slot | None:
-        owned = [s for s in self.slots if s.owner == session_id and s.tokens]
-        return max(owned, key=lambda s: s.last_used, default=None)
-
     def release(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            for parked in list(session.host):
+                self._unstore(session, parked)
         for s in self.slots:
             if s.owner == session_id:
                 s.owner = None
@@ -182,3 +482,13 @@ class SlotTable:
         for sid in gone:
             self.release(sid)
         return gone
+
+    def tiers(self) -> dict:
+        """Where the live sessions' conversations are (for /admin/models; any thread)."""
+        sessions = list(self.sessions.values())
+        live = {s.id for s in sessions}
+        device = {s.owner for s in list(self.slots) if s.owner in live}
+        host = {s.id for s in sessions if s.host and s.id not in device}
+        return {"live": len(live), "on_device": len(device), "on_host": len(host), "host_bytes": self.host_bytes,
+                "host_bytes_limit": self.host.limit if self.tiered else 0, "spills": self.spills,
+                "fills": self.fills, "prefix_copies": self.copies, "host_dropped": self.dropped}

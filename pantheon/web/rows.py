@@ -44,7 +44,9 @@ def operator_row(entry: ModelEntry) -> dict:
     row = {"id": c.name, "object": "model", "path": str(c.path), "dies": list(c.dies or [0]),
            "vram_bytes": sum(e.bytes_per_device().values()), "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "max_concurrent_configured": e.max_concurrent_configured,
-           "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured}
+           "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured,
+           # max_sessions bounds the ids on the device; idle ones beyond it wait on the host tier
+           "sessions": e.table.tiers()}
     for key, value in (("graphs", _graphs(e, True)), ("attention", _attention(e, True))):
         if value is not None:
             row[key] = value
