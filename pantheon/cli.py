@@ -18,11 +18,11 @@ def _model_path(arg: str | None) -> str:
     return str(default_model_path())
 
 
-def _load_engine(args, ctx_cap: int = 4096):
+def _load_engine(args, ctx_cap: int = 4096, max_sessions: int = 1):
     from pantheon.engine.engine import Engine
 
     configure_jax()
-    return Engine(_model_path(args.model), ctx_cap=ctx_cap, max_sessions=1, numerics=args.numerics)
+    return Engine(_model_path(args.model), ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics)
 
 
 def cmd_generate(args) -> int:
@@ -87,7 +87,7 @@ def cmd_bench(args) -> int:
     if args.interleave:
         from pantheon.engine.bench import run_interleave
 
-        engine = _load_engine(args, ctx_cap=args.interleave + 512)
+        engine = _load_engine(args, ctx_cap=args.interleave + 512, max_sessions=4)
         result = run_interleave(engine, args.interleave)
         print(result.table())
         print(json.dumps(result.as_dict()))

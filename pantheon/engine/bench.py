@@ -120,9 +120,12 @@ def run_interleave(engine: Engine, long_tokens: int = 8000) -> InterleaveResult:
     rng = np.random.default_rng(0)
     no_end = tuple((t, -100.0) for t in engine.tokenizer.eog_ids)
     greedy = SamplingParams(temperature=0.0, logprobs=True, logit_bias=no_end)
+    # The running stream samples (seeded): a greedy one on a random prompt soon trips the
+    # repetition-loop detector and ends.
+    sampled = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=1, logprobs=True, logit_bias=no_end)
 
-    def request(n_prompt: int, max_tokens: int) -> GenerationRequest:
-        return GenerationRequest(rng.integers(100, engine.spec.n_vocab, n_prompt).tolist(), [greedy], max_tokens)
+    def request(n_prompt: int, max_tokens: int, params=greedy) -> GenerationRequest:
+        return GenerationRequest(rng.integers(100, engine.spec.n_vocab, n_prompt).tolist(), [params], max_tokens)
 
     async def first_token_s(req) -> float:
         t = time.perf_counter()
@@ -142,7 +145,7 @@ def run_interleave(engine: Engine, long_tokens: int = 8000) -> InterleaveResult:
         alone = min([await first_token_s(request(16, 1)) for _ in range(3)])
         stamps: list[float] = []
         stop = asyncio.Event()
-        task = asyncio.create_task(stream(request(16, 100_000), stamps, stop))
+        task = asyncio.create_task(stream(request(16, long_tokens, sampled), stamps, stop))
         while len(stamps) < 20:
             await asyncio.sleep(0.01)
         t = time.perf_counter()
@@ -169,6 +172,8 @@ def run_interleave(engine: Engine, long_tokens: int = 8000) -> InterleaveResult:
         await long
         during = len([s for s in stamps if t_long < s]) / (time.perf_counter() - t_long)
         stop.set()
+        if task.done():
+            raise RuntimeError("the running stream ended before the long prefill did")
         await task
         return alone, beside, stream_alone, during, long_first[0]
 

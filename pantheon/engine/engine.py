@@ -172,7 +172,14 @@ class Engine:
         self.start()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        self.scheduler.put(("generate", (request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))))
+
+        def emit(ev) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the consumer's loop is gone: nobody is listening any more
+                request.cancelled.set()
+
+        self.scheduler.put(("generate", (request, emit)))
         try:
             while (ev := await events.get()) is not None:
                 yield ev

@@ -25,7 +25,7 @@ from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
 
 DECODE_BUCKETS = (1, 2, 4, 8)
-CHUNK_BUCKETS = (16, 64, 256, 512)
+CHUNK_BUCKETS = (16, 64, 128, 256, 512)
 MIN_KV_BUCKET = 128
 
 

@@ -8,8 +8,9 @@ loop is
     postprocess(plan, out)    each sampled token goes through its sequence's policy
 
 A step spends a bounded token budget: every decoding sequence's one token plus, when a prompt is
-waiting to be prefilled, one chunk of it — `STEP_TOKENS` while nothing else is in flight,
-`SHARED_STEP_TOKENS` when other sequences decode or prefill beside it. Prompts being prefilled take
+waiting to be prefilled, one chunk of it — `STEP_TOKENS` while nothing else is in flight; when
+other sequences decode or prefill beside it, at most 128 tokens and at most `SHARED_STEP_KEYS`
+tokens x keys of attention work (so a step stays short deep into a long prompt). Prompts being prefilled take
 turns chunk by chunk (round robin), so a short request's first token never waits for a long
 prompt to finish, and running streams keep producing a token every step.
 
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 THINK_CLOSE = "</think>\n\n"
 QUEUE_WAIT_S = 30.0
 STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
-SHARED_STEP_TOKENS = 128  # ... and in chunks of this many while other sequences are in flight
+SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
+SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
 MAINTENANCE_S = 1.0
 
 
@@ -209,12 +211,19 @@ class Scheduler:
         if prefilling:
             seq = min(prefilling, key=lambda s: s.prefill_turn)
             seq.prefill_turn = self._steps + 1
-            shared = len(self.running) > 1
-            budget = (SHARED_STEP_TOKENS if shared else STEP_TOKENS)
             plan.prefill = seq
-            plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + budget]
+            plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + self._chunk_size(seq)]
         plan.work = self._work(plan)
         return plan
+
+    def _chunk_size(self, seq: Sequence) -> int:
+        """STEP_TOKENS when the prompt has the device to itself. Shared with other sequences, a chunk
+        is bounded in tokens and in attention work (chunk x keys attended): deep into a long prompt
+        each token attends to thousands of keys, and a fixed-size chunk would stall everyone else's
+        step for seconds."""
+        if len(self.running) == 1:
+            return STEP_TOKENS
+        return next((t for t in SHARED_CHUNKS if t * (seq.prefill_at + t) <= SHARED_STEP_KEYS), SHARED_CHUNKS[-1])
 
     def _work(self, plan: Plan) -> StepWork:
         work = StepWork()

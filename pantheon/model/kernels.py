@@ -14,9 +14,10 @@ program hands each mode to its dispatch entry point. So:
   under 16 positions or over 2**31 elements) is recorded as "reference" for that model instead of
   failing: the record says what runs.
 
-The decode kernel reads each row's slot in place up to its length, so decode programs on a kernel
-path are traced with kv_len = the cache length (`program_kv_len`): one executable for every
-kv_len bucket the runner keys them by. The reference path keeps the bucket's kv_len.
+The decode kernel reads each row's slot in place up to its length, and so does the jnp path
+(`reference` mode: attention_reference's math in key blocks, `cached_attention_blocked`), so those
+programs are traced with kv_len = the cache length (`program_kv_len`): one executable for every
+kv_len bucket the runner keys them by. Only the Pallas flash prefill keeps the bucket's kv_len.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels)
     (the reference gathers the first kv_len positions). Otherwise dispatch.attention_prefill on the
     first kv_len positions of the rows' slots."""
     modes = dict(kernels)
+    if modes[attention_kernel(q.shape[1])] == "reference":
+        # The jnp path reads each row's slot in key blocks up to its position (the reference's
+        # math, blocked): no kv_len gather, cost follows the positions attended.
+        from pantheon.pallas.attention import cached_attention_blocked
+
+        return cached_attention_blocked(q, k_cache, v_cache, slots, positions)
     if q.shape[1] == 1:
         out = dispatch.attention_decode(q[:, 0], k_cache, v_cache, slots, positions[:, 0] + 1, kv_len=kv_len,
                                         mode=modes[ATTENTION_DECODE])
@@ -79,4 +86,7 @@ def program_kv_len(kernels: Kernels, kv_len: int, ctx: int) -> int:
     """The static kv_len a program is traced with. The in-place decode kernel reads each row's cache
     up to its length whatever kv_len is, so its programs all take the cache length: the runner's
     per-kv_len program keys then share one trace and executable instead of compiling one per bucket."""
-    return ctx if dict(kernels).get(ATTENTION_DECODE, "reference") != "reference" else kv_len
+    modes = dict(kernels)
+    if modes.get(ATTENTION_DECODE) is not None or modes.get(ATTENTION_PREFILL) == "reference":
+        return ctx  # the decode kernel and the blocked jnp path read the cache in place
+    return kv_len

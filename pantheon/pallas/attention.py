@@ -217,6 +217,56 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     return attention_reference(q[:, None], keys.astype(q.dtype), values.astype(q.dtype), q_pos)[:, 0]
 
 
+def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array,
+                             q_pos: jax.Array, block_k: int = 256) -> jax.Array:
+    """`attention_reference` read straight from the slot cache, one key block at a time (plain jnp,
+    online softmax in float32) — the CPU serve path for prefill chunks and decode steps alike.
+
+    q: [B, T, H, D]; k_cache, v_cache: [N_slots, C, K, D]; slots: int [B]; q_pos: int [B, T]
+    absolute positions. Row b attends to slot slots[b], keys 0..q_pos[b, t]. Returns [B, T, H, D] in
+    q's dtype (zeros for a query with q_pos < 0).
+
+    The loop runs over the key blocks up to the batch's largest position, so a step costs what its
+    rows actually attend, not the cache length or a padded bucket, and nothing is gathered beyond
+    one block. A block a row cannot see leaves its accumulators bit-identical (scale 1, add 0), so
+    a row's result does not depend on its batch-mates."""
+    b, t, h, d = q.shape
+    c, kh = k_cache.shape[1], k_cache.shape[2]
+    g = h // kh
+    bk = min(block_k, c)
+    qg = q.reshape(b, t, kh, g, d).astype(jnp.float32) * (d ** -0.5)
+    q_pos = q_pos.astype(jnp.int32)
+    last = jnp.max(q_pos, axis=1)  # [B]
+    n_blocks = jnp.clip((jnp.max(last) + bk) // bk, 0, -(-c // bk))
+
+    def read(cache, start):  # [B, bk, K, D]: each row's slot, keys start..start+bk-1
+        return jax.vmap(lambda s: jax.lax.dynamic_slice(cache, (s, start, 0, 0), (1, bk, kh, d))[0])(slots)
+
+    def body(i, carry):
+        acc, m, l = carry
+        start = jnp.minimum(i * bk, c - bk)  # the last block may overlap the one before it
+        kpos = start + jnp.arange(bk)
+        fresh = kpos >= i * bk  # keys an earlier block already covered are skipped
+        visible = fresh[None, None, :] & (kpos[None, None, :] <= q_pos[:, :, None])  # [B, T, bk]
+        k = read(k_cache, start).astype(jnp.float32)
+        v = read(v_cache, start).astype(jnp.float32)
+        seen = fresh[None, :] & (kpos[None, :] <= last[:, None])  # [B, bk]: no stale NaN leaks via 0 * x
+        v = jnp.where(seen[:, :, None, None], v, 0.0)
+        s = jnp.einsum("btkgd,bskd->btkgs", qg, k)
+        s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        return (acc * scale[..., None] + jnp.einsum("btkgs,bskd->btkgd", p, v),
+                m_new, l * scale + jnp.sum(p, axis=-1))
+
+    init = (jnp.zeros((b, t, kh, g, d), jnp.float32), jnp.full((b, t, kh, g), -1e30, jnp.float32),
+            jnp.zeros((b, t, kh, g), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
 def _check_decode_args(q, k_cache, v_cache, slots, lengths, what):
     if q.ndim != 3 or k_cache.ndim != 4:
         raise ValueError(f"{what}: q must be [B, H, D] and k_cache/v_cache [N_slots, C, K, D]; got "

@@ -15,7 +15,7 @@ from pantheon.engine.events import Admitted, Delta, RequestEnd, RequestError
 from pantheon.engine.events import GenerationRequest
 from pantheon.engine.faults import FAULTS
 from pantheon.engine.sampler import SamplingParams
-from pantheon.engine.scheduler import SHARED_STEP_TOKENS
+from pantheon.engine.scheduler import SHARED_CHUNKS
 from tests.fixtures.tiny_models import write_tiny_llama
 
 NO_END = ((0, -100.0), (2, -100.0))  # the tiny vocabulary's end-of-generation ids
@@ -74,7 +74,7 @@ def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(e
 
     asyncio.run(main())
     admitted, first = rec.first("long", Admitted), rec.first("long", Delta)
-    chunks = -(-len(long_prompt) // SHARED_STEP_TOKENS)
+    chunks = -(-len(long_prompt) // SHARED_CHUNKS[0])
     # one decode step of the stream rides along with every prefill chunk of the long prompt
     assert rec.count("stream", Delta, admitted, first) >= chunks - 1
 
