@@ -262,13 +262,15 @@ class ModelRunner:
         out = StepOutput()
         p = work.prefill
         if p is not None:
-            logits = self.prefill(p.slot, p.tokens, p.start)
+            with jax.profiler.TraceAnnotation("prefill_chunk", slot=p.slot, tokens=len(p.tokens)):
+                logits = self.prefill(p.slot, p.tokens, p.start)
             if p.sampling is not None:
                 mask = None if p.mask is None else p.mask[None]
                 out.prefill = self.sample(logits[None], [p.slot], [p.sampling], [p.forced], mask)
         d = work.decode
         if d is not None:
-            logits = self.decode(d.slots, d.tokens, d.positions)
+            with jax.profiler.TraceAnnotation("decode_step", batch=len(d.slots)):
+                logits = self.decode(d.slots, d.tokens, d.positions)
             out.decode = self.sample(logits, d.slots, d.sampling, d.forced, d.mask)
         return out
 

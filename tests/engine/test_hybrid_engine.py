@@ -72,3 +72,22 @@ def test_export_restore_continues_token_identically(engine, greedy_ref):
     warm, end = generate(engine, turn2, 6, session="h-new")
     cold, _ = generate(engine, turn2, 6)
     assert end.cached_tokens == out["n_tok"] and warm == cold
+
+
+def test_a_failed_step_leaves_the_hybrid_model_serving_llamacpp_tokens(engine, greedy_ref):
+    """A step fault mid-forward has already updated some layers' recurrent state in place: the slot
+    is forgotten (the turn re-prefills), and the next requests still give llama.cpp's tokens."""
+    from pantheon.engine.faults import FAULTS
+    from pantheon.engine.events import RequestError
+
+    prompt = greedy_ref["prompt"]["s33"]
+    first, _ = generate(engine, prompt, 4, session="h-fail")
+    errors = []
+    FAULTS.set("step", 1)
+    engine.run_sync(GenerationRequest(prompt + first + [5, 6], [GREEDY], 4, session_id="h-fail"),
+                    lambda ev: isinstance(ev, RequestError) and errors.append(ev))
+    assert errors and errors[0].type == "server_error"
+    _, end = generate(engine, prompt + first + [5, 6], 2, session="h-fail")
+    assert end.cached_tokens == 0  # the state of the failed turn's slot was unknown: re-prefilled
+    tokens, _ = generate(engine, greedy_ref["prompt"]["s5"], 24)
+    assert tokens == greedy_ref["generated"]["s5"]

@@ -146,7 +146,11 @@ def test_kernel_choice_follows_the_environment(monkeypatch):
     assert kern.attention_supported("attention_decode", 256, (9, 4096, 2, 256))
     # the in-place decode kernel does not depend on kv_len: its programs share one trace per cache
     assert kern.program_kv_len((("attention_decode", "interpret"),), 128, 4096) == 4096
-    assert kern.program_kv_len((("attention_decode", "reference"),), 128, 4096) == 128
+    # so does the blocked jnp path (reference mode), for prefill and decode alike; only the flash
+    # prefill kernel is traced per kv_len bucket
+    assert kern.program_kv_len((("attention_decode", "reference"),), 128, 4096) == 4096
+    assert kern.program_kv_len((("attention_prefill", "reference"),), 128, 4096) == 4096
+    assert kern.program_kv_len((("attention_prefill", "interpret"),), 128, 4096) == 128
     assert kern.program_kv_len((("attention_prefill", "pallas"),), 128, 4096) == 128
 
 
