@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -40,12 +41,21 @@ from pantheon.engine.sessions import CapacityError, Slot, SlotTable
 from pantheon.text.pipeline import ChoiceText
 
 log = logging.getLogger(__name__)
+
 THINK_CLOSE = "</think>\n\n"
 QUEUE_WAIT_S = 30.0
 STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
 SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
 SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
 MAINTENANCE_S = 1.0
+
+
+def server_error(what: str, error: BaseException, detail: str = "") -> RequestError:
+    """A request's server_error: what failed, in words, and a short id; the full exception is
+    logged under the same id (a client's report of the id finds the traceback)."""
+    rid = uuid.uuid4().hex[:12]
+    log.error("%s [request id %s]%s", what, rid, f" ({detail})" if detail else "", exc_info=error)
+    return RequestError("server_error", f"{what} (request id {rid})")
 
 
 class BusyError(Exception):
@@ -151,9 +161,9 @@ class Scheduler:
             try:
                 worked = self.step()
             except Exception as e:  # noqa: BLE001 - last resort: the device thread must never die
-                log.exception("scheduler step failed outside the device step")
+                error = server_error("generation failed", e)
                 for st in {id(s.state): s.state for s in self.running}.values():
-                    self._fail(st, RequestError("server_error", f"generation failed: {e}"))
+                    self._fail(st, RequestError(error.type, error.message))
                 worked = True
 
     def step(self) -> bool:
@@ -282,8 +292,7 @@ class Scheduler:
                     {"retry_after": 30}))
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. a session moving between tiers failed
-                log.exception("admission failed")
-                self._fail(seq.state, RequestError("server_error", f"admission failed: {e}"))
+                self._fail(seq.state, server_error("admission failed", e))
                 continue
             if got is None:
                 continue  # no free slot for this one yet; later sequences may still fit
@@ -291,9 +300,8 @@ class Scheduler:
             try:
                 self._start(seq, *got)
             except Exception as e:  # noqa: BLE001 - e.g. an invalid grammar: this request only
-                log.exception("starting a sequence failed")
                 self.table.release_slot(got[0], seq.history)
-                self._fail(seq.state, RequestError("server_error", f"could not start generation: {e}"))
+                self._fail(seq.state, server_error("could not start generation", e))
 
     def _start(self, seq: Sequence, slot: Slot, cached: int) -> None:
         req, st = seq.request, seq.state
@@ -339,8 +347,7 @@ class Scheduler:
                    if seq.params.logprobs else [])
             outcome: Outcome = seq.accept(int(out.tokens[row]), float(out.logprob[row]), top, self.policy)
         except Exception as e:  # noqa: BLE001 - a fault in one choice's text handling fails that request
-            log.exception("token handling failed")
-            return self._fail(seq.state, RequestError("server_error", f"generation failed: {e}"))
+            return self._fail(seq.state, server_error("generation failed while handling a token", e))
         if outcome.finish is not None:
             return self._finish(seq, outcome.finish, outcome.delta)
         self._emit(seq, outcome.delta)
@@ -349,7 +356,7 @@ class Scheduler:
         """The device step raised. Its requests fail; slots whose contents are now unknown forget
         them (every slot, when a state buffer was lost); everything else keeps serving."""
         self.failed_steps += 1
-        log.error("device step failed (%d so far): %s", self.failed_steps, error, exc_info=error)
+        failure = server_error("generation failed on the device", error, f"{self.failed_steps} so far")
         try:
             lost_all = self.runner.repair()
         except Exception:  # noqa: BLE001
@@ -367,9 +374,8 @@ class Scheduler:
             for slot in self.table.slots:
                 if not slot.busy:
                     self.table.invalidate(slot)  # its session's next turn re-prefills
-        message = f"generation failed on the device: {type(error).__name__}: {error}"
         for st in states.values():
-            self._fail(st, RequestError("server_error", message))
+            self._fail(st, RequestError(failure.type, failure.message))
 
     # ---- events -----------------------------------------------------------------------------------------
     def _emit(self, seq: Sequence, delta) -> None:

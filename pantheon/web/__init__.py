@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 from quart import Quart, Response, request
 
@@ -138,8 +139,10 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
 
     @app.errorhandler(Exception)
     async def server_error(e: Exception):
-        log.exception("unhandled error")
-        return error_response(500, "server_error", f"internal error: {type(e).__name__}: {e}")
+        # The body says what failed in words and carries the id; the log has the exception.
+        rid = uuid.uuid4().hex[:12]
+        log.error("unhandled error [request id %s] on %s %s", rid, request.method, request.path, exc_info=e)
+        return error_response(500, "server_error", f"internal error (request id {rid})")
 
     return app
 

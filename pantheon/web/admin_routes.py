@@ -12,6 +12,7 @@ from pantheon.web.errors import ApiError, invalid, json_body
 from pantheon.web.rows import operator_row
 
 bp = Blueprint("admin", __name__)
+INT32_MAX = 2**31 - 1
 
 
 @bp.route("/admin/models", methods=["GET"])
@@ -25,6 +26,8 @@ def _opt_int(body: dict, key: str) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"'{key}' must be an integer")
+    if value > INT32_MAX:
+        raise invalid(f"'{key}' must be at most {INT32_MAX}")
     return value
 
 

@@ -4,6 +4,7 @@ contract applied in this one place. Anything malformed raises a 400 `invalid_req
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,16 +45,47 @@ class ChatRequest:
 
 
 def _number(body: dict, key: str, default, kind=float):
+    """body[key] as `kind`; absent/null -> default; not a finite number -> 400 naming the field. An
+    integer past what a float holds (10**400) reads as the largest float of its sign (float fields
+    clamp it); an int field keeps Python's unbounded int for its own clamp."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(f"'{key}' must be a finite number, got {value!r:.40}")
+    if isinstance(value, int):
+        if kind is int:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            return sys.float_info.max if value > 0 else -sys.float_info.max
+    if not math.isfinite(value):
         raise invalid(f"'{key}' must be a finite number, got {value!r}")
     return kind(value)
 
 
 def _clamp(x, lo, hi):
     return max(lo, min(hi, x))
+
+
+def _tool_calls(i: int, calls) -> None:
+    """An assistant turn's `tool_calls`: an array of objects whose `function` (if given) is an object
+    with a string `name` and string-or-object `arguments`. Anything else is refused, not guessed."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise invalid(f"'{where}' must be an array of tool call objects")
+    for j, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise invalid(f"'{where}[{j}]' must be an object")
+        fn = call.get("function", call)
+        if not isinstance(fn, dict):
+            raise invalid(f"'{where}[{j}].function' must be an object")
+        if "name" in fn and not isinstance(fn["name"], str):
+            raise invalid(f"'{where}[{j}].function.name' must be a string")
+        args = fn.get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise invalid(f"'{where}[{j}].function.arguments' must be a JSON string or an object")
 
 
 def _messages(raw) -> list[dict]:
@@ -65,11 +97,15 @@ def _messages(raw) -> list[dict]:
             raise invalid(f"messages[{i}] must be an object with 'role' and 'content'")
         msg = dict(m)
         role = msg.get("role")
-        msg["role"] = role if isinstance(role, str) and role else "user"  # missing role -> user
+        if role is not None and not isinstance(role, str):
+            raise invalid(f"'messages[{i}].role' must be a string")
+        msg["role"] = role or "user"  # missing role -> user
         content = msg.get("content")
         msg["content"] = content if isinstance(content, str) else ""  # non-string content -> empty
         if not isinstance(msg.get("reasoning_content"), str):
             msg.pop("reasoning_content", None)
+        if msg.get("tool_calls") is not None:
+            _tool_calls(i, msg["tool_calls"])
         out.append(msg)
     return out
 
@@ -95,9 +131,9 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
             token = int(str(k).strip())
         except ValueError:
             continue  # non-numeric keys are skipped
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
             continue  # non-numeric values are skipped
-        out.append((token, float(_clamp(v, -100.0, 100.0))))
+        out.append((token, float(_clamp(v, -100, 100))))  # clamped first: an int past a float's range
     return tuple(out)
 
 
@@ -124,7 +160,7 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
     n = max(n, 1)
     budget = body.get("reasoning_budget", body.get("max_reasoning_tokens"))
     if budget is not None:
-        budget = _number({"reasoning_budget": budget}, "reasoning_budget", 0, int)
+        budget = min(_number({"reasoning_budget": budget}, "reasoning_budget", 0, int), INT32_MAX)
     thinking = body.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise invalid("'enable_thinking' must be a boolean")
@@ -134,6 +170,9 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
         seed = _number(body, "seed", None, int)
     model = body.get("model")
     rf = body.get("response_format")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("'tools' must be an array of tool definitions")
     return ChatRequest(
         messages=_messages(body.get("messages")),
         model=model if isinstance(model, str) else None,
@@ -156,7 +195,7 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
         response_format=rf if isinstance(rf, dict) else None,
         enable_thinking=thinking,
         reasoning_budget=budget,
-        tools=body.get("tools") if isinstance(body.get("tools"), list) else None,
+        tools=tools,
         tool_choice=body.get("tool_choice", "auto"),
         session_id=_session_id(body, session_header),
     )

@@ -43,12 +43,60 @@ def invalid(message: str) -> ApiError:
     return ApiError(400, "invalid_request_error", message)
 
 
+# Deeper than this is refused at parse: nothing in the contract nests anywhere near it (a JSON schema
+# of ~30 levels fits), and what walks a body recursively (templates, grammar compiles) stays far
+# from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def _path(node) -> str:
+    """'messages[0].content' from the walk's (parent, key) chain."""
+    parts = []
+    while node is not None:
+        node, key = node
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    text = "".join(reversed(parts)).lstrip(".")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def check_json(value) -> None:
+    """Refuse (400) a parsed body nested deeper than MAX_JSON_DEPTH or holding a string that is not
+    valid Unicode (a lone surrogate from a "\\ud800" escape: it cannot be encoded as UTF-8)."""
+    stack = [(value, 1, None)]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise invalid(f"'{_path(where) or 'body'}' is not valid Unicode (a lone surrogate "
+                                  "escape such as \\ud800)") from None
+            continue
+        if isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise invalid(f"JSON nested too deeply at '{_path(where)}': at most {MAX_JSON_DEPTH} levels")
+            if isinstance(v, dict):
+                for k, item in v.items():
+                    stack.append((k, depth, where))  # a key is checked as a string of its object
+                    stack.append((item, depth + 1, (where, k)))
+            else:
+                stack.extend((item, depth + 1, (where, i)) for i, item in enumerate(v))
+
+
 async def json_body():
-    """The request body parsed as JSON; empty or malformed -> 400 invalid_request_error."""
+    """The request body parsed as JSON; empty, malformed, nested too deeply or holding invalid
+    Unicode -> 400 invalid_request_error."""
     raw = await request.get_data()
     if not raw or not raw.strip():
         raise invalid("empty request body")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid(f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise invalid(f"JSON nested too deeply: at most {MAX_JSON_DEPTH} levels") from None
+    except ValueError:  # e.g. an integer literal past the interpreter's digit limit
+        raise invalid("malformed JSON: a number literal is too long") from None
+    check_json(body)
+    return body

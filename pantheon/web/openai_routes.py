@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -17,6 +18,7 @@ from pantheon.web.errors import ApiError, error_body, invalid, json_body
 from pantheon.web.rows import public_row
 
 bp = Blueprint("openai", __name__)
+log = logging.getLogger(__name__)
 
 
 @bp.route("/v1/models", methods=["GET"])
@@ -45,6 +47,8 @@ async def chat_completions():
             plan = await asyncio.to_thread(plan_chat, engine, chat, kv_cap)
         except PlanError as e:
             raise invalid(str(e)) from None
+        except RecursionError:  # a schema or message structure too deep to render or compile
+            raise invalid("request nested too deeply to render (tools, response_format or messages)") from None
         except PromptOverBudget as e:
             if chat.stream:
                 body = sse.event(error_body("context_over_budget", str(e), kv_used=e.tokens, kv_cap=e.kv_cap))
@@ -82,7 +86,9 @@ async def _admitted(events, engine) -> None:
         _raise_for(first)
     if not isinstance(first, Admitted):
         await events.aclose()
-        raise ApiError(500, "server_error", f"unexpected first engine event {type(first).__name__}")
+        rid = uuid.uuid4().hex[:12]
+        log.error("unexpected first engine event [request id %s]: %r", rid, first)
+        raise ApiError(500, "server_error", f"internal error: the engine did not admit the request (request id {rid})")
 
 
 def _logprobs(engine, tokens) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import math
 
 from quart import Blueprint, Response, current_app, request
 
@@ -99,6 +100,8 @@ async def session_estimate():
             value = float(raw)
         except ValueError:
             raise invalid(f"'{key}' must be a number") from None
+        if not math.isfinite(value):
+            raise invalid(f"'{key}' must be a finite number")
         if not value > 0:
             raise invalid(f"'{key}' must be positive")
         return value
