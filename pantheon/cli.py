@@ -238,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-concurrent", type=int, default=None)
     s.add_argument("--reasoning-budget", type=int, default=None)
     s.add_argument("--dies", default=None, help="comma-separated device ordinals, e.g. 0,1")
+    s.add_argument("--admin-token", default=None,
+                   help="require Authorization: Bearer TOKEN on /admin/* (default $PANTHEON_ADMIN_TOKEN; "
+                        "the variable keeps it out of the process list)")
+    s.add_argument("--models-dir", default=None,
+                   help="POST /admin/models/load opens only files under this folder (default $PANTHEON_MODELS_DIR)")
     s.set_defaults(func=cmd_serve)
     return p
 
@@ -259,5 +264,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (GGUFError, DefaultModelError) as e:
-        print(f"pantheon: {e}", file=sys.stderr)
+        print(f"pantheon: {' '.join(str(e).splitlines())}", file=sys.stderr)  # one line
         return 1

@@ -16,6 +16,8 @@ ENV_NO_THINK = "PANTHEON_NO_THINK"
 ENV_TOOL_GRAMMAR = "PANTHEON_TOOL_GRAMMAR"
 ENV_COMPILE_CACHE = "PANTHEON_COMPILE_CACHE"
 ENV_MAX_BODY_BYTES = "PANTHEON_MAX_BODY_BYTES"
+ENV_ADMIN_TOKEN = "PANTHEON_ADMIN_TOKEN"  # set: /admin/* needs Authorization: Bearer <token>
+ENV_MODELS_DIR = "PANTHEON_MODELS_DIR"  # set: /admin/models/load opens only files under it
 
 DEFAULT_CTX_CAP = 4096
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 request_too_large (not session restore)
@@ -79,6 +81,8 @@ class ServeConfig:
     dies: tuple[int, ...] | None = None
     numerics: str = "exact"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admin_token: str | None = None  # None: /admin/* open (the contract's default)
+    models_dir: str | None = None  # None: /admin/models/load opens any path
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -88,7 +92,9 @@ class ServeConfig:
             models.append((path.strip(), name.strip() or None))
         return cls(models=tuple(models), ctx_cap=_env_int(ENV_CTX_CAP), max_sessions=_env_int(ENV_MAX_SESSIONS),
                    max_concurrent=_env_int(ENV_MAX_CONCURRENT), reasoning_budget=_env_int(ENV_REASONING_BUDGET),
-                   max_body_bytes=_env_int(ENV_MAX_BODY_BYTES) or DEFAULT_MAX_BODY_BYTES)
+                   max_body_bytes=_env_int(ENV_MAX_BODY_BYTES) or DEFAULT_MAX_BODY_BYTES,
+                   admin_token=os.environ.get(ENV_ADMIN_TOKEN) or None,
+                   models_dir=os.environ.get(ENV_MODELS_DIR) or None)
 
     def model_config(self, path: str, name: str | None) -> ModelConfig:
         served = name or Path(path).name.removesuffix(".gguf")

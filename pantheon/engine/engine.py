@@ -24,7 +24,7 @@ from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
 from pantheon.config import session_host_bytes
 from pantheon.engine.sessions import CapacityError, HostBudget, Parked, SessionError, SlotTable, process_host_budget
-from pantheon.gguf.reader import GGUFFile, open_gguf
+from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
 from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
 from pantheon.model.state import POSITIONAL
@@ -47,8 +47,14 @@ class Engine:
         self.gguf: GGUFFile = open_gguf(self.path)
         self.spec: ModelSpec = spec_from_gguf(self.gguf)
         self.name = name or self.path.name.removesuffix(".gguf")
-        self.tokenizer = Tokenizer.from_gguf(self.gguf)
-        self.template = ChatTemplate.from_gguf(self.gguf, self.tokenizer)
+        try:  # tokenizer and chat template problems refuse the file, before anything touches the device
+            self.tokenizer = Tokenizer.from_gguf(self.gguf)
+            self.template = ChatTemplate.from_gguf(self.gguf, self.tokenizer)
+            self.template.probe()
+        except GGUFError:
+            raise
+        except ValueError as e:  # incl. ChatTemplateError
+            raise GGUFError(f"{self.path}: {' '.join(str(e).split())}") from None
         self.think = think_mode(self.template.source)
         self.ctx_configured = ctx_cap if ctx_cap > 0 else self.spec.ctx_train
         self.ctx = min(self.ctx_configured, self.spec.ctx_train)

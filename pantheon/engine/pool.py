@@ -176,6 +176,8 @@ class ModelPool:
                                          max(config.max_sessions, config.max_concurrent_configured))
         except GGUFError as e:
             raise PoolError(500, "load_failed", str(e)) from None
+        except (TypeError, ValueError, ArithmeticError):  # odd metadata: the load's spec check names it
+            need = 0
         have = meminfo_bytes("MemAvailable", 1 << 62)
         if need > 0.9 * have:
             raise PoolError(507, "load_failed", f"admission refused: {config.name} needs ~{need >> 20} MiB, "

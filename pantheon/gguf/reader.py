@@ -20,6 +20,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_ALIGNMENT = 1 << 20  # llama.cpp only needs a power of two; anything larger is corruption
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: real files nest at most once
 
 # GGUF metadata value types -> struct format (scalars only).
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -77,20 +79,25 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self.scalar(_SCALAR[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise GGUFError(f"{self.path}: metadata arrays nested deeper than {MAX_ARRAY_DEPTH} levels "
+                                f"at offset {self.pos}: corrupt metadata")
             etype, count = self.scalar("<I"), self.scalar("<Q")
+            if etype in (_STRING, _ARRAY):  # each element takes at least 8 (string) / 12 (array) bytes
+                self.need(count * (8 if etype == _STRING else 12))
             if etype in _NP_SCALAR:
                 dt = np.dtype(_NP_SCALAR[etype]).newbyteorder("<")
                 self.need(count * dt.itemsize)
                 arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
                 self.pos += count * dt.itemsize
                 return arr.tolist()
-            return [self.value(etype) for _ in range(count)]
+            return [self.value(etype, depth + 1) for _ in range(count)]
         raise GGUFError(f"{self.path}: unknown metadata value type {vtype} at offset {self.pos}")
 
 
@@ -115,7 +122,7 @@ class GGUFFile:
     def _parse(self) -> None:
         cur = _Cursor(self._mm, self.path)
         if len(self._mm) < 4 or bytes(self._mm[:4]) != MAGIC:
-            raise GGUFError(f"{self.path}: not a GGUF file (bad magic {bytes(self._mm[:4])!r})")
+            raise GGUFError(f"{self.path}: not a GGUF file (bad magic)")
         cur.pos = 4
         self.version = cur.scalar("<I")
         if self.version not in (2, 3):
@@ -136,11 +143,46 @@ class GGUFFile:
             gtype, offset = cur.scalar("<I"), cur.scalar("<Q")
             raw_infos.append((name, ne, gtype, offset))
         align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
-            raise GGUFError(f"{self.path}: general.alignment must be a power of two, got {align!r}")
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1) \
+                or align > MAX_ALIGNMENT:
+            raise GGUFError(f"{self.path}: general.alignment must be a power of two up to {MAX_ALIGNMENT}, "
+                            f"got {align!r}")
         data_start = (cur.pos + align - 1) // align * align
         for name, ne, gtype, offset in raw_infos:
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: duplicate tensor name {name!r}")
             self.tensors[name] = self._tensor_info(name, ne, gtype, data_start + offset)
+        self._check_layout(raw_infos, align, data_start)
+
+    def _check_layout(self, raw_infos, align: int, data_start: int) -> None:
+        """llama.cpp's rule: tensor data is laid out in header order, each tensor at the aligned end of
+        the previous one. So offsets are aligned, no two tensors overlap and none leaves a gap; the
+        data section ends inside the file, and no tensor's worth of bytes is left after it (a header
+        that lost a tensor record shifts every tensor's data)."""
+        expected, prev = 0, None
+        for name, _, _, offset in raw_infos:
+            info = self.tensors[name]
+            if offset % align:
+                raise GGUFError(f"{self.path}: tensor {name!r} data offset {offset} is not a multiple of "
+                                f"general.alignment {align}")
+            if offset < expected:
+                raise GGUFError(f"{self.path}: tensor {name!r} (data offset {offset}) overlaps tensor {prev!r} "
+                                f"(which ends at data offset {expected}): corrupt tensor offsets")
+            if offset > expected:
+                raise GGUFError(f"{self.path}: tensor {name!r} has data offset {offset}, expected {expected} "
+                                f"(right after tensor {prev!r}; tensor data must be contiguous): corrupt tensor "
+                                f"offsets, or a wrong type or shape for {prev!r}")
+            if info.offset + info.nbytes > len(self._mm):
+                raise GGUFError(f"{self.path}: tensor {name!r} runs past the end of the file (needs bytes "
+                                f"{info.offset}..{info.offset + info.nbytes}, file has {len(self._mm)}): "
+                                f"truncated file")
+            expected = offset + (info.nbytes + align - 1) // align * align
+            prev = name
+        end = data_start + expected  # padded end of the data section
+        if raw_infos and len(self._mm) >= end + align:
+            raise GGUFError(f"{self.path}: {len(self._mm) - end} bytes after the end of the tensor data "
+                            f"(data section ends at {end}, file has {len(self._mm)}): corrupt tensor count, "
+                            f"alignment, offsets or types")
 
     def _tensor_info(self, name: str, ne: list[int], gtype: int, offset: int) -> TensorInfo:
         try:
@@ -153,9 +195,6 @@ class GGUFFile:
                             f"the {qtype.name} block size {block}")
         n_elems = math.prod(ne) if ne else 1  # Python ints: a corrupt size cannot wrap around
         nbytes = n_elems // block * tsize
-        if offset + nbytes > len(self._mm):
-            raise GGUFError(f"{self.path}: tensor {name!r} runs past the end of the file "
-                            f"(needs bytes {offset}..{offset + nbytes}, file has {len(self._mm)}): truncated file")
         return TensorInfo(name, tuple(int(d) for d in reversed(ne)), qtype, offset, nbytes)
 
     # ---- metadata helpers -------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pantheon.gguf.reader import GGUFError, GGUFFile
@@ -49,7 +50,53 @@ class ModelSpec:
 
 def _first(value):
     """Some keys may be per-layer arrays; dense models use one value for all layers."""
-    return value[0] if isinstance(value, list) else value
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _number(g: GGUFFile, full: str, value, kind=int):
+    """`value` as an int (or float), or a GGUFError naming the key: never a TypeError/ValueError from
+    a string, list or NaN where a number belongs."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (kind is int and value != int(value)):
+        what = "an integer" if kind is int else "a finite number"
+        raise GGUFError(f"{g.path}: {full!r} must be {what}, got {repr(value)[:80]}")
+    return kind(value)
+
+
+def _check_ranges(g: GGUFFile, arch: str, **values: int) -> None:
+    """Hyper-parameters that must be positive (keys without the arch prefix, e.g. block_count)."""
+    for name, v in values.items():
+        if v <= 0:
+            raise GGUFError(f"{g.path}: {arch}.{name.replace('__', '.')} must be > 0, got {v}")
+
+
+def _check_layers(g: GGUFFile, arch: str, n_layer: int) -> None:
+    if n_layer > len(g.tensors):  # every layer has tensors: a corrupt count must not drive a huge loop
+        raise GGUFError(f"{g.path}: {arch}.block_count {n_layer} exceeds the {len(g.tensors)} tensors in the file")
+
+
+def _check_context(g: GGUFFile, arch: str, ctx: int) -> None:
+    if ctx < 2:
+        raise GGUFError(f"{g.path}: {arch}.context_length must be at least 2, got {ctx}")
+
+
+def _check_vocab(g: GGUFFile, n_vocab: int) -> None:
+    """Token strings are unique (llama.cpp asserts this; empty ones become [EMPTY_i]) and every token
+    id has an embedding row."""
+    tokens = g.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise GGUFError(f"{g.path}: tokenizer.ggml.tokens must be an array of strings")
+    if len(set(tokens)) != len(tokens):
+        seen: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if t and t in seen:
+                raise GGUFError(f"{g.path}: duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
+            seen.setdefault(t, i)
+    if len(tokens) > n_vocab:
+        raise GGUFError(f"{g.path}: tokenizer.ggml.tokens has {len(tokens)} tokens, more than the "
+                        f"{n_vocab} rows of the embedding (vocab_size)")
 
 
 def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
@@ -60,32 +107,45 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     if arch in HYBRID_ARCHS:
         return hybrid_spec_from_gguf(g)
 
-    def key(name, default=None, required=False):
+    def key(name, default=None, required=False, kind=int):
         full = f"{arch}.{name}"
-        if required:
-            return _first(g.require(full))
-        return _first(g.get(full, default))
+        value = _first(g.require(full) if required else g.get(full, default))
+        return value if value is None else _number(g, full, value, kind)
 
-    n_embd = int(key("embedding_length", required=True))
-    n_head = int(key("attention.head_count", required=True))
-    n_head_kv = int(key("attention.head_count_kv", n_head))
-    head_dim = int(key("attention.key_length", n_embd // n_head))
-    tokens = g.get("tokenizer.ggml.tokens")
-    n_vocab = int(g.get(f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    n_embd = key("embedding_length", required=True)
+    n_head = key("attention.head_count", required=True)
+    n_layer = key("block_count", required=True)
+    _check_ranges(g, arch, embedding_length=n_embd, attention__head_count=n_head, block_count=n_layer)
+    _check_layers(g, arch, n_layer)
+    n_head_kv = key("attention.head_count_kv", n_head)
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise GGUFError(f"{g.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    n_layer = int(key("block_count", required=True))
+    if key("attention.key_length") is None and n_embd % n_head:
+        raise GGUFError(f"{g.path}: {arch}.embedding_length {n_embd} is not a multiple of "
+                        f"attention.head_count {n_head}")
+    head_dim = key("attention.key_length", n_embd // n_head)
+    tokens = g.get("tokenizer.ggml.tokens")
+    n_vocab = key("vocab_size", len(tokens) if isinstance(tokens, list) else 0)
+    n_ff = key("feed_forward_length", required=True)
+    ctx_train = key("context_length", 4096)
+    rope_dim = key("rope.dimension_count", head_dim)
+    _check_ranges(g, arch, attention__key_length=head_dim, feed_forward_length=n_ff, vocab_size=n_vocab)
+    _check_context(g, arch, ctx_train)
+    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+        raise GGUFError(f"{g.path}: {arch}.rope.dimension_count {rope_dim} must be even and within "
+                        f"the head size {head_dim}")
+    _check_vocab(g, n_vocab)
     spec = ModelSpec(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, n_ff=int(key("feed_forward_length", required=True)), n_vocab=n_vocab,
-        ctx_train=int(key("context_length", 4096)), rope_base=float(key("rope.freq_base", 10000.0)),
-        rope_dim=int(key("rope.dimension_count", head_dim)), rope_style=DENSE_ARCHS[arch],
-        rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab,
+        ctx_train=ctx_train, rope_base=key("rope.freq_base", 10000.0, kind=float),
+        rope_dim=rope_dim, rope_style=DENSE_ARCHS[arch],
+        rms_eps=key("attention.layer_norm_rms_epsilon", 1e-5, kind=float),
         tied_embeddings="output.weight" not in g.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
-        embed_scale=float(key("embedding_scale", 1.0)),
-        residual_scale=float(key("residual_scale", 1.0)),
-        logit_scale=float(key("logit_scale", 1.0)),
+        embed_scale=key("embedding_scale", 1.0, kind=float),
+        residual_scale=key("residual_scale", 1.0, kind=float),
+        logit_scale=key("logit_scale", 1.0, kind=float),
     )
     _check_shapes(g, spec)
     return spec
@@ -93,7 +153,7 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
 
 def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
     """Fail at load, with the tensor named, rather than deep inside a jitted function."""
-    expect = {"token_embd.weight": (spec.n_vocab, spec.n_embd)}
+    expect = {"token_embd.weight": (spec.n_vocab, spec.n_embd), "output_norm.weight": (spec.n_embd,)}
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         expect[p + "attn_norm.weight"] = (spec.n_embd,)
@@ -109,6 +169,11 @@ def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
             expect[p + "attn_v.weight"] = (spec.kv_dim, spec.n_embd)
             expect[p + "ffn_gate.weight"] = (spec.n_ff, spec.n_embd)
             expect[p + "ffn_up.weight"] = (spec.n_ff, spec.n_embd)
+        if spec.qk_norm:
+            expect[p + "attn_q_norm.weight"] = expect[p + "attn_k_norm.weight"] = (spec.head_dim,)
+        if p + "attn_q.bias" in g.tensors:
+            expect[p + "attn_q.bias"] = (spec.n_head * spec.head_dim,)
+            expect[p + "attn_k.bias"] = expect[p + "attn_v.bias"] = (spec.kv_dim,)
     if not spec.tied_embeddings:
         expect["output.weight"] = (spec.n_vocab, spec.n_embd)
     for name, shape in expect.items():
@@ -180,7 +245,10 @@ def _per_layer(g: GGUFFile, full: str, value, layers) -> int:
     """A scalar key, or a per-layer array that must hold one value over `layers`."""
     if not isinstance(value, list):
         return value
-    picked = {value[i] for i in layers if i < len(value)}
+    try:
+        picked = {value[i] for i in layers if i < len(value)}
+    except TypeError:  # unhashable: arrays of arrays
+        picked = set()
     if len(picked) != 1:
         raise GGUFError(f"{g.path}: {full!r} must have one value over layers {list(layers)}, got {value}")
     return picked.pop()
@@ -197,62 +265,86 @@ def hybrid_spec_from_gguf(g: GGUFFile) -> HybridSpec:
     def bad(name, why):
         return GGUFError(f"{g.path}: {arch}.{name} {why}")
 
-    n_layer_all = int(key("block_count"))
-    n_layer = n_layer_all - int(key("nextn_predict_layers", 0))  # MTP blocks are never run
+    def num(name, default=missing, kind=int):
+        return _number(g, f"{arch}.{name}", key(name, default), kind)
+
+    n_layer_all = num("block_count")
+    n_layer = n_layer_all - num("nextn_predict_layers", 0)  # MTP blocks are never run
+    if n_layer <= 0:
+        raise bad("block_count", f"must leave at least one trunk layer, got {n_layer_all} "
+                                 f"(nextn_predict_layers {n_layer_all - n_layer})")
+    _check_layers(g, arch, n_layer_all)
     recurrent = key("attention.recurrent_layers", None)
     if recurrent is None:
-        interval = int(key("full_attention_interval", 4))
+        interval = num("full_attention_interval", 4)
+        _check_ranges(g, arch, full_attention_interval=interval)
         recurrent = [(i + 1) % interval != 0 for i in range(n_layer_all)]
     if not isinstance(recurrent, list) or len(recurrent) != n_layer_all:
         raise bad("attention.recurrent_layers", f"must be a list of {n_layer_all} flags, got {recurrent!r}")
     recurrent = tuple(bool(r) for r in recurrent[:n_layer])
     attn = [i for i, r in enumerate(recurrent) if not r] or [0]
 
-    n_embd = int(key("embedding_length"))
-    n_head = int(_per_layer(g, f"{arch}.attention.head_count", key("attention.head_count"), attn))
-    n_head_kv = int(_per_layer(g, f"{arch}.attention.head_count_kv", key("attention.head_count_kv", n_head), attn))
-    head_dim = int(key("attention.key_length", n_embd // n_head))
-    if int(key("attention.value_length", head_dim)) != head_dim:
+    n_embd = num("embedding_length")
+    n_head = _number(g, f"{arch}.attention.head_count",
+                     _per_layer(g, f"{arch}.attention.head_count", key("attention.head_count"), attn))
+    n_head_kv = _number(g, f"{arch}.attention.head_count_kv",
+                        _per_layer(g, f"{arch}.attention.head_count_kv", key("attention.head_count_kv", n_head), attn))
+    _check_ranges(g, arch, embedding_length=n_embd, attention__head_count=n_head)
+    if key("attention.key_length", None) is None and n_embd % n_head:
+        raise bad("embedding_length", f"{n_embd} is not a multiple of attention.head_count {n_head}")
+    head_dim = num("attention.key_length", n_embd // n_head)
+    _check_ranges(g, arch, attention__key_length=head_dim)
+    if num("attention.value_length", head_dim) != head_dim:
         raise bad("attention.value_length", f"must equal attention.key_length ({head_dim})")
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise bad("attention.head_count_kv", f"{n_head_kv} does not divide head_count {n_head}")
     sections = key("rope.dimension_sections")
-    if not isinstance(sections, list) or len(sections) != 4:
+    if not isinstance(sections, list) or len(sections) != 4 or not all(isinstance(x, int) for x in sections):
         raise bad("rope.dimension_sections", f"must be 4 integers, got {sections!r}")
     scaling = key("rope.scaling.type", "none")
     if scaling != "none":
         raise bad("rope.scaling.type", f"{scaling!r} is not supported")
 
     every = range(n_layer)
-    n_used = int(_per_layer(g, f"{arch}.expert_used_count", key("expert_used_count"), every))
+    n_used = _number(g, f"{arch}.expert_used_count",
+                     _per_layer(g, f"{arch}.expert_used_count", key("expert_used_count"), every))
+    _check_ranges(g, arch, expert_used_count=n_used)
     n_ff = key("feed_forward_length", None)  # only a fallback for the two expert sizes
     if n_ff is not None:
-        n_ff = _per_layer(g, f"{arch}.feed_forward_length", n_ff, every)
+        n_ff = _number(g, f"{arch}.feed_forward_length", _per_layer(g, f"{arch}.feed_forward_length", n_ff, every))
     n_ff_exp = key("expert_feed_forward_length", None if n_ff is None else n_ff // n_used)
     n_ff_shexp = key("expert_shared_feed_forward_length", n_ff)
     if n_ff_exp is None or n_ff_shexp is None:
         missing_key = "expert_feed_forward_length" if n_ff_exp is None else "expert_shared_feed_forward_length"
         raise GGUFError(f"{g.path}: missing required metadata key {f'{arch}.{missing_key}'!r}")
 
-    d_state, n_group, dt_rank = int(key("ssm.state_size")), int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
-    if int(key("ssm.inner_size")) != d_state * dt_rank:
+    d_state, n_group, dt_rank = num("ssm.state_size"), num("ssm.group_count"), num("ssm.time_step_rank")
+    if num("ssm.inner_size") != d_state * dt_rank:
         raise bad("ssm.inner_size", f"must equal ssm.state_size * ssm.time_step_rank ({d_state * dt_rank})")
     if n_group <= 0 or dt_rank % n_group:
         raise bad("ssm.group_count", f"{n_group} does not divide ssm.time_step_rank {dt_rank}")
 
     tokens = g.get("tokenizer.ggml.tokens")
-    n_vocab = int(key("vocab_size", len(tokens) if tokens else g.tensor_info("token_embd.weight").shape[0]))
+    n_vocab = num("vocab_size", len(tokens) if isinstance(tokens, list) and tokens
+                  else g.tensor_info("token_embd.weight").shape[0])
+    _check_ranges(g, arch, vocab_size=n_vocab, ssm__state_size=d_state, ssm__time_step_rank=dt_rank)
+    _check_context(g, arch, num("context_length"))
+    _check_vocab(g, n_vocab)
     spec = HybridSpec(
-        arch=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab, ctx_train=int(key("context_length")),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon")), tied_embeddings="output.weight" not in g.tensors,
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab, ctx_train=num("context_length"),
+        rms_eps=num("attention.layer_norm_rms_epsilon", kind=float), tied_embeddings="output.weight" not in g.tensors,
         recurrent=recurrent, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
-        rope_dim=int(key("rope.dimension_count", head_dim)), rope_base=float(key("rope.freq_base", 10000.0)),
-        rope_sections=tuple(int(s) for s in sections), n_expert=int(key("expert_count")), n_expert_used=n_used,
-        n_ff_exp=int(_per_layer(g, f"{arch}.expert_feed_forward_length", n_ff_exp, every)),
-        n_ff_shexp=int(_per_layer(g, f"{arch}.expert_shared_feed_forward_length", n_ff_shexp, every)),
-        ssm_d_conv=int(key("ssm.conv_kernel")), ssm_d_state=d_state, ssm_n_group=n_group, ssm_dt_rank=dt_rank)
+        rope_dim=num("rope.dimension_count", head_dim), rope_base=num("rope.freq_base", 10000.0, kind=float),
+        rope_sections=tuple(int(s) for s in sections), n_expert=num("expert_count"), n_expert_used=n_used,
+        n_ff_exp=_number(g, f"{arch}.expert_feed_forward_length",
+                         _per_layer(g, f"{arch}.expert_feed_forward_length", n_ff_exp, every)),
+        n_ff_shexp=_number(g, f"{arch}.expert_shared_feed_forward_length",
+                           _per_layer(g, f"{arch}.expert_shared_feed_forward_length", n_ff_shexp, every)),
+        ssm_d_conv=num("ssm.conv_kernel"), ssm_d_state=d_state, ssm_n_group=n_group, ssm_dt_rank=dt_rank)
     if spec.rope_dim % 2 or not 0 < spec.rope_dim <= head_dim:
         raise bad("rope.dimension_count", f"{spec.rope_dim} must be even and within head_dim {head_dim}")
+    _check_ranges(g, arch, expert_feed_forward_length=spec.n_ff_exp, ssm__conv_kernel=spec.ssm_d_conv,
+                  expert_shared_feed_forward_length=spec.n_ff_shexp)
     if not 0 < spec.n_expert_used <= spec.n_expert:
         raise bad("expert_used_count", f"{spec.n_expert_used} is not in 1..expert_count ({spec.n_expert})")
     _check_hybrid_shapes(g, spec)

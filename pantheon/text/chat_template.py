@@ -12,19 +12,33 @@ given as a JSON string (the OpenAI wire form) is parsed into a dict, because tem
 Qwen3-Coder iterate `arguments|items`. Everything else (e.g. `reasoning_content`) passes through.
 
 Every template problem (syntax, `raise_exception`, runtime type errors) raises ChatTemplateError.
+
+`ChatTemplate.probe()` (run once at model load) renders a system/user/assistant/user conversation
+with a time limit (PROBE_TIMEOUT_S, in a worker thread; `range()` and every call the template makes
+check the deadline, so a looping template stops itself) and an output size limit (PROBE_MAX_CHARS):
+a template that raises, loops or explodes refuses the model instead of failing every request.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import threading
+import time
 from datetime import datetime
 from typing import Any
 
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+
+PROBE_TIMEOUT_S = 3.0
+PROBE_MAX_CHARS = 1 << 20
+PROBE_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "Hello!"},
+                  {"role": "assistant", "content": "Hi! How can I help?"},
+                  {"role": "user", "content": "What is 2 + 2?"}]
 
 
 class ChatTemplateError(ValueError):
@@ -41,8 +55,45 @@ class _GenerationTag(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+class _TemplateRaised(jinja2.exceptions.TemplateError):
+    """The template called raise_exception (it refuses these messages on purpose)."""
+
+
+class _OverLimit(Exception):
+    """A limited render ran past its deadline or output size."""
+
+
+_limits = threading.local()  # .deadline: time.monotonic() bound of a limited render in this thread
+
+
+def _check_deadline() -> None:
+    deadline = getattr(_limits, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise _OverLimit("time")
+
+
+def _limited_range(*args):
+    r = safe_range(*args)  # the sandbox's own bound: at most MAX_RANGE items
+    if getattr(_limits, "deadline", None) is None:
+        return r
+    return _deadline_iter(r)
+
+
+def _deadline_iter(items):
+    for i, x in enumerate(items):
+        if not i & 255:
+            _check_deadline()
+        yield x
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+        _check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
 def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+    raise _TemplateRaised(message)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -55,8 +106,8 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 
 def _make_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env.globals["range"] = _limited_range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -118,15 +169,79 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                **kwargs) -> str:
+        return self._render(self._context(messages, add_generation_prompt, tools, kwargs))
+
+    def _context(self, messages, add_generation_prompt, tools, kwargs) -> dict[str, Any]:
         ctx: dict[str, Any] = {"documents": None}
         ctx.update(self.extra_tokens)
         ctx.update(kwargs)
         ctx.update(messages=normalize_messages(messages), tools=tools,
                    add_generation_prompt=add_generation_prompt,
                    bos_token=self.bos_token, eos_token=self.eos_token)
+        return ctx
+
+    def _render(self, ctx: dict[str, Any], max_chars: int | None = None) -> str:
         try:
-            return self._template.render(**ctx)
+            if max_chars is None:
+                return self._template.render(**ctx)
+            out, n = [], 0
+            for chunk in self._template.generate(**ctx):
+                out.append(chunk)
+                n += len(chunk)
+                if n > max_chars:
+                    raise _OverLimit("size")
+                _check_deadline()
+            return "".join(out)
+        except _OverLimit:
+            raise
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError, RecursionError,
+                MemoryError) as e:
             raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+
+    def probe(self, timeout_s: float = PROBE_TIMEOUT_S, max_chars: int = PROBE_MAX_CHARS) -> str:
+        """Render PROBE_MESSAGES with add_generation_prompt once, within `timeout_s` seconds and
+        `max_chars` characters, or raise ChatTemplateError saying why. A template that refuses a
+        system message on purpose (raise_exception, e.g. Gemma's) is probed without it."""
+        result: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout_s
+
+        def work():
+            _limits.deadline = deadline
+            try:
+                for messages in (PROBE_MESSAGES, PROBE_MESSAGES[1:]):
+                    try:
+                        result["text"] = self._render(self._context(messages, True, None, {}), max_chars)
+                        return
+                    except ChatTemplateError as e:
+                        result["error"] = e
+                        if not isinstance(e.__cause__, _TemplateRaised):
+                            return
+            except _OverLimit as e:
+                result["final"] = (f"chat template output exceeds {max_chars} characters for a 4-message "
+                                   f"conversation" if str(e) == "size" else self._too_slow(timeout_s))
+            except Exception as e:  # noqa: BLE001 - anything a template does wrong refuses it
+                result["error"] = ChatTemplateError(f"{type(e).__name__}: {e}")
+            finally:
+                _limits.deadline = None
+
+        worker = threading.Thread(target=work, name="chat-template-probe", daemon=True)
+        worker.start()
+        worker.join(timeout_s + 0.5)  # the deadline checks inside normally end it in time
+        if worker.is_alive():
+            raise ChatTemplateError(self._too_slow(timeout_s))
+        if "text" in result:
+            return result["text"]
+        if "final" in result:
+            raise ChatTemplateError(result["final"])
+        e = result["error"]
+        cause = e.__cause__
+        detail = str(e) if cause is None else str(cause) if isinstance(cause, jinja2.exceptions.TemplateError) \
+            else f"{type(cause).__name__}: {cause}"
+        raise ChatTemplateError(f"chat template fails on a system/user/assistant/user conversation: "
+                                f"{' '.join(detail.split())}") from cause
+
+    @staticmethod
+    def _too_slow(timeout_s: float) -> str:
+        return f"chat template did not finish rendering a 4-message conversation in {timeout_s:g} s (a loop?)"

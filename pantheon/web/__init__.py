@@ -9,6 +9,7 @@ first event — the lifespan start-up under hypercorn — so importing this modu
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import uuid
 
@@ -101,6 +102,13 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     async def preflight():
         if request.method == "OPTIONS":
             return {}
+        # The matched rule as well as the raw path: no spelling of a path (//admin/...) reaches an
+        # admin route unguarded.
+        paths = (request.path, request.url_rule.rule if request.url_rule else "")
+        if state.config.admin_token and any(p.lstrip("/").split("/", 1)[0] == "admin" for p in paths):
+            if not admin_authorized(request.headers.get("Authorization"), state.config.admin_token):
+                return error_response(401, "unauthorized", "this route needs Authorization: Bearer <admin token> "
+                                                           "(PANTHEON_ADMIN_TOKEN)", {"WWW-Authenticate": "Bearer"})
 
     @app.after_request
     async def contract_headers(response: Response) -> Response:
@@ -145,6 +153,15 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         return error_response(500, "server_error", f"internal error (request id {rid})")
 
     return app
+
+
+def admin_authorized(header: str | None, token: str) -> bool:
+    """`Authorization: Bearer <token>`, compared in constant time."""
+    scheme, _, given = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    enc = lambda s: s.encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(enc(given.strip()), enc(token))
 
 
 class EnvApp:

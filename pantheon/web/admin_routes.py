@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from quart import Blueprint, current_app
 
@@ -31,12 +32,28 @@ def _opt_int(body: dict, key: str) -> int:
     return value
 
 
+def confined_path(path: str, models_dir: str | None) -> str:
+    """With PANTHEON_MODELS_DIR set, the file to load must resolve (symlinks followed) under it; a
+    relative path is taken relative to it. Otherwise -> 403 load_failed. Unset: `path` as given."""
+    if not models_dir:
+        return path
+    try:
+        base = Path(models_dir).resolve()
+        resolved = (base / path).resolve()
+    except (OSError, ValueError, RuntimeError):  # NUL bytes, symlink loops
+        raise ApiError(403, "load_failed", "path is not under the models directory (PANTHEON_MODELS_DIR)") from None
+    if not resolved.is_relative_to(base):
+        raise ApiError(403, "load_failed", "path is not under the models directory (PANTHEON_MODELS_DIR)")
+    return str(resolved)
+
+
 def load_config(body) -> ModelConfig:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     path = body.get("path")
     if not isinstance(path, str) or not path:
         raise invalid("'path' is required")
+    opened = confined_path(path, current_app.pantheon.config.models_dir)
     name = body.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         raise invalid("'name' must be a non-empty string")
@@ -48,7 +65,7 @@ def load_config(body) -> ModelConfig:
             raise invalid(f"too many dies ({len(dies)}; at most {MAX_MODEL_DIES})")
     defaults = current_app.pantheon.config.model_config(path, name)
     ctx_cap, max_sessions = _opt_int(body, "ctx_cap"), _opt_int(body, "max_sessions")
-    return ModelConfig(path=path, name=defaults.name, ctx_cap=ctx_cap if ctx_cap > 0 else defaults.ctx_cap,
+    return ModelConfig(path=opened, name=defaults.name, ctx_cap=ctx_cap if ctx_cap > 0 else defaults.ctx_cap,
                        max_sessions=max_sessions if max_sessions > 0 else defaults.max_sessions,
                        max_concurrent=max(_opt_int(body, "max_concurrent"), 0),
                        reasoning_budget=max(_opt_int(body, "reasoning_budget"), 0),

@@ -56,6 +56,7 @@ def _path(node) -> str:
         node, key = node
         parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
     text = "".join(reversed(parts)).lstrip(".")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # a key's lone surrogate, as \udXXX text
     return text if len(text) <= 120 else text[:117] + "..."
 
 

@@ -14,7 +14,9 @@ fires, the registered states drain, then ShutdownError. One code path for every 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import sys
 
 from pantheon.config import ServeConfig
 
@@ -77,7 +79,26 @@ def config_from_args(args) -> ServeConfig:
                        ctx_cap=pick(args.ctx_cap, env.ctx_cap), max_sessions=pick(args.max_sessions, env.max_sessions),
                        max_concurrent=pick(args.max_concurrent, env.max_concurrent),
                        reasoning_budget=pick(args.reasoning_budget, env.reasoning_budget), dies=dies,
-                       numerics=args.numerics, max_body_bytes=env.max_body_bytes)
+                       numerics=args.numerics, max_body_bytes=env.max_body_bytes,
+                       admin_token=getattr(args, "admin_token", None) or env.admin_token,
+                       models_dir=getattr(args, "models_dir", None) or env.models_dir)
+
+
+def exposure_warning(config: ServeConfig) -> str | None:
+    """A line for stderr when the server listens beyond loopback with /admin/* open to anyone."""
+    if config.admin_token or _loopback(config.host):
+        return None
+    return (f"pantheon: warning: serving on {config.host} without an admin token: anyone who can reach this "
+            "port can load and unload models (set PANTHEON_ADMIN_TOKEN or --admin-token)")
+
+
+def _loopback(host: str) -> bool:
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it is reachable
 
 
 def serve(args) -> int:
@@ -88,6 +109,8 @@ def serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    if warning := exposure_warning(config):
+        print(warning, file=sys.stderr)
     app = create_app(config)
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]

@@ -18,6 +18,7 @@ bp = Blueprint("sessions", __name__)
 BLOB_BYTES_PER_TOKEN = 16 * 1024
 DEFAULT_UPLOAD_BPS = 12.5e6
 WATCH_KEEPALIVE_S = 15.0
+ESTIMATE_MAX = 2**53  # /session/estimate's tokens, blob_bytes and upload_bps
 
 
 def _engine(name, session_id=None):
@@ -92,7 +93,7 @@ async def session_release():
 async def session_estimate():
     args = request.args
 
-    def positive(key: str, default=None):
+    def positive(key: str, default=None, at_least: float = 0.0):
         raw = args.get(key)
         if raw is None:
             return default
@@ -104,6 +105,10 @@ async def session_estimate():
             raise invalid(f"'{key}' must be a finite number")
         if not value > 0:
             raise invalid(f"'{key}' must be positive")
+        if value < at_least:
+            raise invalid(f"'{key}' must be at least {at_least:g}")
+        if value > ESTIMATE_MAX:  # keeps every quotient below finite (JSON has no Infinity)
+            raise invalid(f"'{key}' must be at most {ESTIMATE_MAX}")
         return value
 
     tokens = positive("tokens")
@@ -112,7 +117,7 @@ async def session_estimate():
     tokens = int(tokens)
     engine = current_app.pantheon.pool.find(args.get("name"))  # an unknown name is not an error here
     blob = int(positive("blob_bytes", tokens * BLOB_BYTES_PER_TOKEN))
-    bps = positive("upload_bps", DEFAULT_UPLOAD_BPS)
+    bps = positive("upload_bps", DEFAULT_UPLOAD_BPS, at_least=1.0)
     rate = engine.prefill_rate() if engine else current_app.pantheon.default_prefill_rate()
     return {"model": engine.name if engine else "", "tokens": tokens, "prefill_tok_per_s": round(rate, 2),
             "cold_reprefill_s": round(tokens / rate, 2), "warm_restore_s": round(blob / bps, 3),
