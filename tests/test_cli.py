@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+
+import pytest
+
+from pantheon import cli
 
 
 def pantheon(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -24,8 +29,8 @@ def test_tokenize_with_and_without_special(smollm2_path):
 
 
 def test_generate_json_greedy_first_token_equals_llamacpp(smollm2_path):
-    out = pantheon("generate", "--model", str(smollm2_path), "--json", "--temperature", "0", "--max-tokens", "4",
-                   "What is the capital of France?")
+    out = pantheon("generate", "--model", str(smollm2_path), "--numerics", "llamacpp", "--json", "--temperature", "0",
+                   "--max-tokens", "4", "What is the capital of France?")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["prompt_tokens"] == 37 and result["tokens"][0] == 60  # llama.cpp's first greedy token
@@ -66,3 +71,57 @@ def test_generate_on_q3k_experts_follows_llamacpp_loosely(reference_dir, qwen35m
             got, expected = json.loads(out.stdout)["tokens"], ref["generated"][seq]
             agree = next((i for i in range(24) if got[i] != expected[i]), 24)
             assert agree >= 12, (numerics, seq, agree)
+
+
+def test_version_prints_the_package_version():
+    from importlib.metadata import version
+
+    out = pantheon("--version", timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"pantheon {version('pantheon')}"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate"], "give a PROMPT or --tokens"),
+    (["generate", "--model", "/nonexistent/m.gguf", "hi"], "no such file: /nonexistent/m.gguf"),
+    (["generate", "--max-tokens", "0", "hi"], "--max-tokens: must be a positive integer"),
+    (["generate", "--max-tokens", "many", "hi"], "--max-tokens: invalid int value"),
+    (["generate", "--temperature", "-1", "hi"], "--temperature: must be a finite number >= 0"),
+    (["generate", "--top-p", "1.5", "hi"], "--top-p: must be in (0, 1]"),
+    (["generate", "--tokens", "[1, -2]"], "--tokens takes a non-empty JSON list"),
+    (["tokenize", "--model", "/nonexistent/m.gguf", "hi"], "no such file"),
+    (["bench", "--decode-tokens", "-5"], "--decode-tokens: must be a positive integer"),
+    (["bench", "--concurrency", "1,x"], "--concurrency: takes comma-separated positive integers"),
+    (["profile", "--requests", "0"], "--requests: must be a positive integer"),
+    (["serve", "--port", "70000"], "--port: must be a port number"),
+    (["serve", "--max-sessions", "0"], "--max-sessions: must be a positive integer"),
+])
+def test_bad_arguments_fail_at_once_in_one_line(argv, expected):
+    """Before any model loads or jax imports: one line on stderr, exit code 2 (measured ~0.1 s each,
+    where a load would take 25-38 s)."""
+    out = pantheon(*argv, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("pantheon"), out.stderr
+    assert out.stdout == ""
+
+
+def test_every_flag_of_every_subcommand_shows_its_default():
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in subparsers.choices.items():
+        formatter = sp._get_formatter()
+        for action in sp._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            assert "default" in text, (name, action.option_strings, text)
+    assert "(default: exact)" in subparsers.choices["generate"].format_help()
+    assert "(default: 256)" in subparsers.choices["generate"].format_help()
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "profile", "serve"])
+def test_numerics_default_is_exact_everywhere(command):
+    argv = [command, "hi"] if command == "generate" else [command]
+    args = cli.build_parser().parse_args(argv)
+    assert args.numerics == "exact"
+    assert cli.build_parser().parse_args([*argv, "--numerics", "llamacpp"]).numerics == "llamacpp"

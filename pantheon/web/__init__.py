@@ -32,6 +32,14 @@ class ServerState:
         self.shutting_down = False
         self.startup_errors: list[str] = []
         self.admitting = 0  # chat requests past the shutdown check and not yet admitted by an engine
+        self.fetching: list[str] = []  # served names whose file is still being fetched (the default model)
+
+    def loading(self) -> list[str]:
+        """Served names being fetched or loaded: `GET /`'s `loading`; chat answers 503 + Retry-After meanwhile."""
+        from pantheon.engine.pool import LOADING
+
+        names = list(self.fetching) + [e.config.name for e in self.pool.entries() if e.state == LOADING]
+        return list(dict.fromkeys(names))
 
     def idle(self) -> bool:
         """No turn in flight: nothing being planned or admitted, no engine generating."""
@@ -41,6 +49,9 @@ class ServerState:
         try:
             return self.pool.resolve(model, session_id)
         except PoolError as e:
+            if e.type == "no_models_loaded" and self.loading():
+                raise ApiError(503, e.type, "no models loaded (a model is still loading; retry shortly)",
+                               {"Retry-After": "5"}) from None
             raise ApiError(e.status, e.type, e.message) from None
 
     def default_prefill_rate(self) -> float:
@@ -59,7 +70,12 @@ class ServerState:
         for path, name in models:
             try:
                 if path is None:
-                    path, name = str(default_model_path()), name or SERVED_NAME
+                    name = name or SERVED_NAME
+                    self.fetching.append(name)
+                    try:
+                        path = str(default_model_path())
+                    finally:
+                        self.fetching.remove(name)
                 self.pool.load(self.config.model_config(path, name))
                 log.info("loaded %s", name or path)
             except Exception as e:  # noqa: BLE001 - the server stays up and reports no_models_loaded
@@ -100,8 +116,11 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
 
     @app.before_request
     async def preflight():
-        if request.method == "OPTIONS":
-            return {}
+        if request.method == "OPTIONS":  # answered before any auth check: a preflight carries no token
+            asked = request.headers.get("Access-Control-Request-Headers")
+            return {}, 200, {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                             "Access-Control-Allow-Headers": asked or "authorization, content-type, x-session-id",
+                             "Access-Control-Max-Age": "86400"}
         # The matched rule as well as the raw path: no spelling of a path (//admin/...) reaches an
         # admin route unguarded.
         paths = (request.path, request.url_rule.rule if request.url_rule else "")
@@ -117,15 +136,16 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         return response
 
     @app.route("/", methods=["GET"])
+    @app.route("/health", methods=["GET"])
     async def health():
         import jax
 
         return {"service": "pantheon", "status": "ok", "backend": state.backend, "build": state.build,
-                "accelerator": accelerator_in_use(), "dies_visible": len(jax.devices())}
+                "accelerator": accelerator_in_use(), "dies_visible": len(jax.devices()), "loading": state.loading()}
 
     @app.errorhandler(ApiError)
     async def api_error(e: ApiError):
-        return error_response(e.status, e.type, e.message, e.headers)
+        return error_response(e.status, e.type, e.message, e.headers, **e.fields)
 
     @app.errorhandler(PoolError)
     async def pool_error(e: PoolError):

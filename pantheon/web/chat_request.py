@@ -88,6 +88,40 @@ def _tool_calls(i: int, calls) -> None:
             raise invalid(f"'{where}[{j}].function.arguments' must be a JSON string or an object")
 
 
+TEXT_PARTS = {"text", "input_text"}  # "input_text": what newer OpenAI SDKs (Responses-style) send
+
+
+def _content(i: int, content) -> str:
+    """A message's content as the template's string. A string is itself; null, missing (an assistant
+    turn with tool_calls) or any other non-array reads as "" as the contract says. An array of
+    content parts (OpenAI SDKs, opencode) is its text parts joined in order, as llama-server does: a
+    deliberate, additive departure from the contract, which reads it as empty. A part of another
+    type (image_url, input_audio, file, ...) is refused: this server is text only; a malformed part
+    is refused naming the field."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""  # the contract's leniency, kept for every non-array type
+    where = f"messages[{i}].content"
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise invalid(f"'{where}[{j}]' must be a content part object such as {{\"type\": \"text\", "
+                          f"\"text\": \"...\"}}")
+        kind = part.get("type")
+        if kind is None and "text" in part:
+            kind = "text"  # a bare {"text": "..."}: the only reading it has
+        if not isinstance(kind, str):
+            raise invalid(f"'{where}[{j}].type' must be a string such as \"text\"")
+        if kind not in TEXT_PARTS:
+            raise invalid(f"'{where}[{j}]' is a {kind!r:.40} part: this model accepts text only")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"'{where}[{j}].text' must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
 def _messages(raw) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' is required and must be a non-empty array")
@@ -100,8 +134,7 @@ def _messages(raw) -> list[dict]:
         if role is not None and not isinstance(role, str):
             raise invalid(f"'messages[{i}].role' must be a string")
         msg["role"] = role or "user"  # missing role -> user
-        content = msg.get("content")
-        msg["content"] = content if isinstance(content, str) else ""  # non-string content -> empty
+        msg["content"] = _content(i, msg.get("content"))
         if not isinstance(msg.get("reasoning_content"), str):
             msg.pop("reasoning_content", None)
         if msg.get("tool_calls") is not None:

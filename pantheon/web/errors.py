@@ -25,17 +25,18 @@ class LimitedRequest(Request):
 class ApiError(Exception):
     """Raised anywhere in a route; rendered by the app's error handler."""
 
-    def __init__(self, status: int, type_: str, message: str, headers: dict | None = None):
+    def __init__(self, status: int, type_: str, message: str, headers: dict | None = None, **fields):
         super().__init__(message)
         self.status, self.type, self.message, self.headers = status, type_, message, headers or {}
+        self.fields = fields  # extra members of the error object (kv_used, kv_cap)
 
 
 def error_body(type_: str, message: str, **extra) -> dict:
     return {"error": {"message": message, "type": type_, "code": None, **extra}}
 
 
-def error_response(status: int, type_: str, message: str, headers: dict | None = None) -> Response:
-    return Response(json.dumps(error_body(type_, message)), status=status, headers=headers or {},
+def error_response(status: int, type_: str, message: str, headers: dict | None = None, **fields) -> Response:
+    return Response(json.dumps(error_body(type_, message, **fields)), status=status, headers=headers or {},
                     content_type="application/json")
 
 

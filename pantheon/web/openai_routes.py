@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 
 @bp.route("/v1/models", methods=["GET"])
+@bp.route("/models", methods=["GET"])  # clients configured with a base URL lacking /v1
 async def list_models():
     state = current_app.pantheon
     seen, data = set(), []
@@ -34,6 +35,7 @@ async def list_models():
 
 
 @bp.route("/v1/chat/completions", methods=["POST"])
+@bp.route("/chat/completions", methods=["POST"])  # clients configured with a base URL lacking /v1
 async def chat_completions():
     state = current_app.pantheon
     state.refuse_if_shutting_down()
@@ -50,10 +52,11 @@ async def chat_completions():
         except RecursionError:  # a schema or message structure too deep to render or compile
             raise invalid("request nested too deeply to render (tools, response_format or messages)") from None
         except PromptOverBudget as e:
-            if chat.stream:
-                body = sse.event(error_body("context_over_budget", str(e), kv_used=e.tokens, kv_cap=e.kv_cap))
-                return Response(body, status=200, content_type="text/event-stream")
-            raise ApiError(422, "context_over_budget", str(e)) from None
+            # Known before the stream opens, so streamed or not it gets its status: 422, with
+            # kv_used/kv_cap as fields of the error object as well as in the message text (a
+            # deliberate, additive departure: the contract streams it as 200 + an SSE error event,
+            # which stays for errors found after the stream opened).
+            raise ApiError(422, "context_over_budget", str(e), kv_used=e.tokens, kv_cap=e.kv_cap) from None
         events = engine.submit(plan.request)
         await _admitted(events, engine)
     finally:
@@ -116,7 +119,8 @@ _STATUS = {"context_over_budget": 422, "server_busy": 429, "model_at_session_cap
 def _raise_for(err: RequestError):
     retry = err.fields.get("retry_after")
     raise ApiError(_STATUS.get(err.type, 500), err.type, err.message,
-                   {"Retry-After": str(retry)} if retry is not None else None)
+                   {"Retry-After": str(retry)} if retry is not None else None,
+                   **{k: err.fields[k] for k in ("kv_used", "kv_cap") if k in err.fields})
 
 
 def _response_format_status(plan: ChatPlan, ends: list[ChoiceEnd]) -> str | None:

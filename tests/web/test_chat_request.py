@@ -63,9 +63,15 @@ def test_session_id_resolution_order():
     assert parse_chat_request(body, "d").session_id == "d"
 
 
-def test_messages_missing_role_is_user_and_content_parts_are_empty():
-    r = parse_chat_request({"messages": [{"content": "x"}, {"role": "user", "content": [{"type": "text"}]}]})
-    assert r.messages[0]["role"] == "user" and r.messages[1]["content"] == ""
+def test_messages_missing_role_is_user_and_content_parts_are_joined():
+    # Departure from the contract (which reads an array as empty), deliberate and additive: the
+    # text parts of an array are joined in order, as llama-server does (issue 12).
+    parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    r = parse_chat_request({"messages": [{"content": "x"}, {"role": "user", "content": parts}]})
+    assert r.messages[0]["role"] == "user" and r.messages[1]["content"] == "ab"
+    with pytest.raises(ApiError) as e:  # a text part without text is malformed
+        parse_chat_request({"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert e.value.status == 400 and "messages[0].content[0].text" in e.value.message
 
 
 @pytest.mark.parametrize("body", [None, [], "x", {}, {"messages": []}, {"messages": [3]},
