@@ -314,7 +314,9 @@ class Scheduler:
         if req.dialect is not None:
             from pantheon.text.tools import ToolCallParser
 
-            parser = ToolCallParser(req.dialect, req.tools)
+            # under a tool grammar the call cannot fail, so it streams as it is generated (the
+            # opening once the name is read, then each argument); otherwise it comes out whole
+            parser = ToolCallParser(req.dialect, req.tools, incremental=req.grammar is not None)
         seq.text = ChoiceText(self.engine.tokenizer, req.stops, req.think, req.start_in_reasoning, parser)
         if req.grammar is not None:
             seq.matcher = self.engine.grammar_factory.matcher(req.grammar)

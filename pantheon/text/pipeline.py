@@ -58,6 +58,9 @@ class ChoiceText:
         text, stopped = self.stop.push(text)
         delta = self._split(text)
         delta.stopped = stopped
+        if stopped and self.tool_parser is not None:  # generation ends here: a call cut off is reported
+            events, self.tool_errors = self.tool_parser.finish()
+            self._add_tool_events(delta, events)
         return delta
 
     def finish(self) -> TextDelta:

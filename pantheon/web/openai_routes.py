@@ -163,6 +163,9 @@ async def _complete(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engin
     out = []
     for c in choices:
         end = c["end"] or ChoiceEnd(c["index"], "stop", 0)
+        failed = (end.tool_call_error or {}).get("index")
+        if failed is not None and failed < len(c["tool_calls"]):  # announced while streaming, then cut off
+            del c["tool_calls"][failed]
         content = c["content"]
         if c["tool_calls"] and not content.strip():
             content = None  # a pure tool call

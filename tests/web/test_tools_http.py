@@ -83,6 +83,14 @@ def test_required_call_streams_opening_then_arguments(client, model):
     assert "".join(tc.function.arguments or "" for tc in calls) == full.function.arguments
     assert not any(d.content for d in deltas)  # no call text leaks into content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # the call streams as it is generated: the opening comes in its own chunk, ahead of the
+    # arguments, which come as several pieces (one per argument, then "}")
+    at = [i for i, d in enumerate(deltas) for tc in (d.tool_calls or [])]
+    opening = next(i for i, d in enumerate(deltas) for tc in (d.tool_calls or []) if tc.id)
+    last_args = max(i for i, d in enumerate(deltas) for tc in (d.tool_calls or []) if tc.function.arguments)
+    assert opening == at[0] and opening < last_args
+    assert sum(1 for tc in calls if tc.function.arguments) >= 2
+    assert "".join(tc.function.arguments or "" for tc in calls).endswith("}")
     with client.chat.completions.stream(**body) as stream:  # openai-python's stream helper assembles it
         final = stream.get_final_completion()
     check_call(final.choices[0].message.tool_calls[0])
@@ -173,3 +181,18 @@ def test_required_call_on_the_single_user_path(tmp_path):
         check_call(r.choices[0].message.tool_calls[0])
     finally:
         server.stop()
+
+
+def test_required_call_cut_by_a_stop_string_is_not_returned_half_made(client):
+    """A stop string inside the call ends it after its opening streamed: the non-streaming answer
+    holds no half-made call, only the error naming the announced call's index."""
+    body = dict(model="qwenish", messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0, seed=5,
+                max_tokens=200, stop=["</parameter>"])
+    r = client.chat.completions.create(**body)
+    choice = r.choices[0]
+    assert not choice.message.tool_calls
+    err = choice.model_extra["tool_call_error"]
+    assert err["code"] == "unfinished_call" and err["index"] == 0
+    chunks = list(client.chat.completions.create(stream=True, **body))
+    opened = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or []) if tc.id]
+    assert len(opened) == 1  # streamed before the cut, and flagged by the error's index

@@ -23,6 +23,15 @@ Grammars (Lark, llguidance dialect):
   keywords llguidance does not implement are ignored and listed in `Grammar.downgraded`, so the
   caller can report `schema_downgraded`).
 
+Numbers are bounded everywhere (llguidance's JSON numbers are not: a model could write digits until
+max_tokens): schemas with numbers are translated to Lark down to the number leaves (`_BoundedJson`),
+integers `-?(0|[1-9][0-9]{0,19})`, numbers with at most 20 fraction digits and a 3-digit exponent;
+integer ranges stay llguidance's (i64: a one-sided range gets +-(10**18-1) as its other side);
+strings, enums, booleans and nodes with keywords the translation does not know stay `%json`
+(maxLength, enum, pattern... enforced there). Objects translated this way take only their listed
+properties, in order; json_object and `{}` values get a generic JSON grammar with bounded numbers.
+A translation llguidance rejects falls back to plain `%json` ("numbers not bounded" in downgraded).
+
 End of generation: the model's end tokens (the vocabulary's EOG set) are allowed only where the
 grammar accepts. Inside a call that is wherever the call can be completed by appending a fixed
 text: after a complete parameter once all required ones are present, after `</function>` (Qwen),
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import threading
 import time
@@ -121,6 +131,201 @@ def _rx(s: str) -> str:
         else:
             out.append(c)
     return "".join(out)
+
+
+# -- bounded numbers -----------------------------------------------------------------------------
+# llguidance's JSON schema numbers are unbounded (`[1-9][0-9]*`): a model that keeps writing digits
+# is never stopped. Schemas with numbers are therefore compiled to Lark here down to the number
+# leaves, which get bounded regexes; every other leaf (strings, enums, booleans...) and any node
+# using keywords this translation does not know stays `%json` (llguidance enforces maxLength,
+# enum, pattern, ... there).
+INT_DIGITS, FRAC_DIGITS, EXP_DIGITS = 20, 20, 3
+_RX_INT = f"-?(0|[1-9][0-9]{{0,{INT_DIGITS - 1}}})"
+_RX_NUM = f"{_RX_INT}(\\.[0-9]{{1,{FRAC_DIGITS}}})?([eE][+-]?[0-9]{{1,{EXP_DIGITS}}})?"
+_INT_CAP = 10 ** 18 - 1   # llguidance's integer ranges are i64: a one-sided bound gets this other side
+_NOTE_KEYS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+              "writeOnly", "$schema", "$id", "x-guidance", "$defs", "definitions", "format"}
+
+
+class _BoundedJson:
+    """A JSON schema as Lark rules with bounded integer/number lexemes (see above).
+
+    sep: (item, key) separators, or None for response_format (whitespace around punctuation,
+    at most `ws` per gap). Rules are appended to `rules`; expr(schema) gives the expression."""
+
+    def __init__(self, root: dict, rules: list[str], xg: dict, prefix: str, compact: bool):
+        self.root, self.rules, self.xg, self.p, self.compact = root, rules, xg, prefix, compact
+        self.n = 0
+        self.refs: dict[str, str] = {}
+        self.delegated: dict[str, str] = {}
+        if compact:
+            self.item, self.key = _lit(xg.get("item_separator", ", ")), _lit(xg.get("key_separator", ": "))
+            self.ws = ""
+        else:
+            self.ws = f"{prefix.upper()}WS?"
+            rules.append(f"{prefix.upper()}WS: /[ \\t\\n\\r]{{1,16}}/")
+            self.item, self.key = f'{self.ws} "," {self.ws}', f'{self.ws} ":" {self.ws}'
+        rules.append(f"{prefix.upper()}INT: /{_RX_INT}/")
+        rules.append(f"{prefix.upper()}NUM: /{_RX_NUM}/")
+
+    def _name(self) -> str:
+        self.n += 1
+        return f"{self.p}r{self.n}"
+
+    def _resolve(self, ref: str) -> Any:
+        for k in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(k):
+                d = self.root.get(k[2:-1])
+                if isinstance(d, dict) and ref[len(k):] in d:
+                    return d[ref[len(k):]]
+        return None
+
+    def _has_numbers(self, sch: Any, seen: set | None = None) -> bool:
+        seen = set() if seen is None else seen
+        if isinstance(sch, dict):
+            ref = sch.get("$ref")
+            if isinstance(ref, str) and ref not in seen:
+                seen.add(ref)
+                if self._has_numbers(self._resolve(ref), seen):
+                    return True
+            t = sch.get("type")
+            if t in ("integer", "number") or (isinstance(t, list) and ("integer" in t or "number" in t)):
+                return True
+            return any(self._has_numbers(v, seen) for k, v in sch.items()
+                       if k not in ("enum", "const", "$defs", "definitions"))
+        if isinstance(sch, list):
+            return any(self._has_numbers(v, seen) for v in sch)
+        return False
+
+    def delegate(self, sch: Any) -> str:
+        s = copy.deepcopy(sch) if isinstance(sch, dict) else ({} if sch is True else {"not": {}})
+        for k in ("$defs", "definitions"):
+            if k in self.root and k not in s:
+                s[k] = copy.deepcopy(self.root[k])
+        s["x-guidance"] = dict(self.xg)
+        text = f"%json{json.dumps(s, ensure_ascii=False)}"
+        if text not in self.delegated:   # one rule per distinct schema
+            name = self._name()
+            self.rules.append(f"{name}: {text}")
+            self.delegated[text] = name
+        return self.delegated[text]
+
+    def _any(self, kind: str = "val") -> str:
+        """Any JSON value (kind "val"), object ("obj") or array ("arr"), numbers bounded."""
+        p = self.p
+        if f"{p}any_val" not in self.refs:
+            self.refs[f"{p}any_val"] = "ok"
+            s = self.delegate({"type": "string"})
+            self.rules += [
+                f'{p}any_val: {p}any_obj | {p}any_arr | {s} | {p.upper()}NUM | "true" | "false" | "null"',
+                f'{p}any_obj: "{{" {self.ws} ({s} {self.key} {p}any_val ({self.item} {s} {self.key} {p}any_val)*)? '
+                f'{self.ws} "}}"',
+                f'{p}any_arr: "[" {self.ws} ({p}any_val ({self.item} {p}any_val)*)? {self.ws} "]"']
+        return f"{p}any_{kind}"
+
+    def expr(self, sch: Any) -> str:
+        keys = set(sch) - _NOTE_KEYS if isinstance(sch, dict) else set()
+        if sch is True or isinstance(sch, dict) and not keys:
+            return self._any()
+        if isinstance(sch, dict) and sch.get("type") in ("object", "array") and \
+                (keys == {"type"} or keys == {"type", "additionalProperties"} and sch["additionalProperties"] is True):
+            return self._any(sch["type"][:3])
+        if not isinstance(sch, dict) or not self._has_numbers(sch):
+            return self.delegate(sch)
+        if "$ref" in sch:
+            ref = sch["$ref"]
+            target = self._resolve(ref) if isinstance(ref, str) else None
+            if keys != {"$ref"} or target is None:
+                return self.delegate(sch)
+            if ref not in self.refs:
+                self.refs[ref] = name = self._name()
+                self.rules.append(f"{name}: {self.expr(target)}")
+            return self.refs[ref]
+        for k in ("anyOf", "oneOf"):
+            if k in sch:
+                if keys != {k} or not isinstance(sch[k], list) or not sch[k]:
+                    return self.delegate(sch)
+                return "(" + " | ".join(self.expr(s) for s in sch[k]) + ")"
+        t = sch.get("type")
+        if isinstance(t, list):
+            if not t or not all(isinstance(x, str) for x in t):
+                return self.delegate(sch)
+            return "(" + " | ".join(self.expr({**sch, "type": x}) for x in t) + ")"
+        if t == "integer":
+            return self._integer(sch, keys)
+        if t == "number":
+            if keys != {"type"}:   # ranges, multipleOf: llguidance's (fraction digits unbounded)
+                return self.delegate(sch)
+            return f"{self.p.upper()}NUM"
+        if t == "array" and keys <= {"type", "items", "minItems", "maxItems"} and isinstance(sch.get("items"), dict):
+            return self._array(sch)
+        if t == "object" and keys <= {"type", "properties", "required", "additionalProperties"} \
+                and isinstance(sch.get("properties"), dict) and sch["properties"] \
+                and sch.get("additionalProperties", False) in (False, True):
+            return self._object(sch)
+        return self.delegate(sch)
+
+    def _integer(self, sch: dict, keys: set) -> str:
+        if keys == {"type"}:
+            return f"{self.p.upper()}INT"
+        if not keys <= {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
+            return self.delegate(sch)
+        lo, hi = -_INT_CAP, _INT_CAP
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+        if num(sch.get("minimum")):
+            lo = max(lo, math.ceil(sch["minimum"]))
+        if num(sch.get("exclusiveMinimum")):
+            lo = max(lo, math.floor(sch["exclusiveMinimum"]) + 1)
+        if num(sch.get("maximum")):
+            hi = min(hi, math.floor(sch["maximum"]))
+        if num(sch.get("exclusiveMaximum")):
+            hi = min(hi, math.ceil(sch["exclusiveMaximum"]) - 1)
+        return self.delegate({"type": "integer", "minimum": lo, "maximum": hi})
+
+    def _array(self, sch: dict) -> str:
+        item = self.expr(sch["items"])
+        lo = sch.get("minItems", 0)
+        hi = sch.get("maxItems")
+        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and lo >= 0 else 0
+        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) and hi >= lo else None
+        if hi == 0:
+            body = ""
+        else:
+            rest_lo = max(lo - 1, 0)
+            rest = f"({self.item} {item})" + (f"{{{rest_lo},{hi - 1}}}" if hi is not None else
+                                                 (f"{{{rest_lo},}}" if rest_lo else "*"))
+            body = f"{item} {rest}"
+            if lo == 0:
+                body = f"({body})?"
+        name = self._name()
+        self.rules.append(f'{name}: "[" {self.ws} {body} {self.ws} "]"')
+        return name
+
+    def _object(self, sch: dict) -> str:
+        props = sch["properties"]
+        req = set(sch.get("required") or [])
+        names = list(props)
+        if not req <= set(names):
+            return self.delegate(sch)
+        members = [f"{_lit(json.dumps(k, ensure_ascii=False))} {self.key} {self.expr(props[k])}" for k in names]
+        # tail i: the members from i on, each after a separator (optional ones may be left out)
+        tails = [""] * (len(names) + 1)
+        for i in range(len(names) - 1, -1, -1):
+            tname = self._name()
+            opt = "" if names[i] in req else "?"
+            self.rules.append(f"{tname}: ({self.item} {members[i]}){opt} {tails[i + 1]}")
+            tails[i] = tname
+        alts = []
+        for f in range(len(names)):   # the first member given
+            alts.append(f"{members[f]} {tails[f + 1]}".strip())
+            if names[f] in req:
+                break
+        body = "(" + " | ".join(alts) + ")"
+        if not req:
+            body += "?"
+        name = self._name()
+        self.rules.append(f'{name}: "{{" {self.ws} {body} {self.ws} "}}"')
+        return name
 
 
 @dataclass
@@ -403,8 +608,15 @@ class GrammarFactory:
         if not specs:
             raise ValueError("a tool grammar needs at least one tool")
         downgraded: list[str] = []
-        lark = self._tool_lark(d, specs, mode, think, typed=True)
+        lark = self._tool_lark(d, specs, mode, think, typed=True, bounded=True)
         is_err, msgs = self.validate(lark)
+        if is_err:
+            # the bounded-number translation failed: llguidance's own (unbounded) numbers
+            note = f"numbers not bounded: {msgs[0] if msgs else 'grammar error'}"
+            lark = self._tool_lark(d, specs, mode, think, typed=True)
+            is_err, msgs = self.validate(lark)
+            if not is_err:
+                downgraded.append(note)
         if is_err:
             # a parameter schema llguidance cannot compile: fall back to untyped values
             downgraded.append(f"argument schemas not enforced: {msgs[0] if msgs else 'grammar error'}")
@@ -418,10 +630,12 @@ class GrammarFactory:
         return Grammar(lark=lark, kind="tool", dialect=d, tools=specs, mode=mode, think=think,
                        closers=closers, downgraded=tuple(downgraded))
 
-    def _tool_lark(self, d: Dialect, specs: list[ToolSpec], mode: str, think: str, typed: bool) -> str:
+    def _tool_lark(self, d: Dialect, specs: list[ToolSpec], mode: str, think: str, typed: bool,
+                   bounded: bool = False) -> str:
         prefix, rules = self._think_rules(think)
         build = {"qwen_xml": self._qwen_rules, "minicpm_xml": self._minicpm_rules, "json": self._json_rules}[d.name]
-        fn_rules, open_expr, after_open, one_call, next_call, tail = build(specs, typed)
+        fn_rules, open_expr, after_open, one_call, next_call, tail = build(
+            specs, "bounded" if typed and bounded else typed)
         rules += fn_rules
         if mode == "auto":
             # llguidance's lexer commits to one lexeme: where a text think block may open, free
@@ -453,6 +667,15 @@ class GrammarFactory:
                 s[k] = copy.deepcopy(root[k])
         s["x-guidance"] = dict(_X_GUIDANCE_ARGS)
         return s
+
+    @staticmethod
+    def _json_value(rules: list[str], sch: dict, typed) -> str:
+        """A JSON value typed by sch (made standalone by _args_schema): `%json`, or with typed ==
+        "bounded" (bounded numbers) an expression over rules appended to `rules`."""
+        if typed != "bounded":
+            return f"%json{json.dumps(sch, ensure_ascii=False)}"
+        xg = sch.get("x-guidance") if isinstance(sch.get("x-guidance"), dict) else dict(_X_GUIDANCE_ARGS)
+        return _BoundedJson(sch, rules, xg, f"v{len(rules)}_", compact=True).expr(sch)
 
     @staticmethod
     def _string_enum(sch: Any, root: dict) -> list[str] | None:
@@ -522,7 +745,7 @@ class GrammarFactory:
             if kind == "enum":
                 return f"{head} ({' | '.join(_lit(v) for v in data)}) {_lit(chr(10) + '</parameter>' + chr(10))}"
             if kind == "json":
-                return f"{head} %json{json.dumps(data, ensure_ascii=False)} {_lit(chr(10) + '</parameter>' + chr(10))}"
+                return f"{head} {self._json_value(rules, data, typed)} {_lit(chr(10) + '</parameter>' + chr(10))}"
             return f"{head} {self._string_value(rules, sch, bounded)} \"\\n\""
 
         self._function_rules(rules, specs, "fn", lambda spec: _lit(f"<function={spec.name}>\n"), param)
@@ -548,7 +771,7 @@ class GrammarFactory:
                 vals = [v if not any(c in v for c in "<&\n") else f"<![CDATA[{v}]]>" for v in data]
                 return f"{head} ({' | '.join(_lit(v) for v in vals)}) {close}"
             if kind == "json":
-                return f"{head} %json{json.dumps(data, ensure_ascii=False)} {close}"
+                return f"{head} {self._json_value(rules, data, typed)} {close}"
             return f"{head} {self._string_value(rules, sch, bounded)} {close}"
 
         self._function_rules(rules, specs, "fnr", lambda spec: _lit(xml_attr(spec.name) + '">'), param)
@@ -565,7 +788,7 @@ class GrammarFactory:
             sch.setdefault("type", "object")
             name = json.dumps(spec.name, ensure_ascii=False)[1:-1]  # as it appears inside a JSON string
             rules.append(f"fnr_{i}: {_lit(name + chr(34) + ', ' + chr(34) + 'arguments' + chr(34) + ': ')} "
-                         f"%json{json.dumps(sch, ensure_ascii=False)}")
+                         f"{self._json_value(rules, sch, typed)}")
             alts.append(f"fnr_{i}")
         rules.append(f"fnr: {' | '.join(alts)}")
         open_lit = _lit('{"name": "')
@@ -574,7 +797,7 @@ class GrammarFactory:
 
     # -- response_format ------------------------------------------------------------------------
     def json_object_grammar(self, think: str = "none") -> Grammar:
-        return self._json_grammar({"type": "object"}, think)
+        return self._json_grammar({"type": "object"}, think, bounded=True)
 
     def json_schema_grammar(self, schema: dict, think: str = "none") -> Grammar:
         """The schema enforced as far as llguidance can: `downgraded` lists what it ignores
@@ -582,23 +805,34 @@ class GrammarFactory:
         to json_object with the reason in `downgraded`."""
         if not isinstance(schema, dict):
             raise ValueError("json_schema needs a schema object")
-        g = self._json_grammar(schema, think)
+        g = self._json_grammar(schema, think, bounded=True)
         is_err, msgs = self.validate(g.lark)
+        notes = []
+        if is_err:  # the bounded-number translation failed: llguidance's own (unbounded) numbers
+            note = f"numbers not bounded: {msgs[0] if msgs else 'error'}"
+            g = self._json_grammar(schema, think)
+            is_err, msgs = self.validate(g.lark)
+            if not is_err:
+                notes.append(note)
         if is_err:
             fb = self._json_grammar({"type": "object"}, think)
             fb.downgraded = (f"schema not enforced, any JSON object accepted: {msgs[0] if msgs else 'error'}",)
             return fb
-        g.downgraded = tuple(m for m in msgs if m)
+        g.downgraded = tuple(notes + [m for m in msgs if m])
         return g
 
-    def _json_grammar(self, schema: dict, think: str) -> Grammar:
+    def _json_grammar(self, schema: dict, think: str, bounded: bool = False) -> Grammar:
         prefix, rules = self._think_rules(think)
         s = copy.deepcopy(schema)
         xg = dict(_X_GUIDANCE_RF)
         if isinstance(s.get("x-guidance"), dict):
             xg.update(s["x-guidance"])
         s["x-guidance"] = xg
-        rules.append(f"start: {prefix} %json{json.dumps(s, ensure_ascii=False)}")
+        if bounded:
+            value = _BoundedJson(s, rules, xg, "j_", compact=False).expr(s)
+        else:
+            value = f"%json{json.dumps(s, ensure_ascii=False)}"
+        rules.append(f"start: {prefix} {value}")
         return Grammar(lark="\n".join(rules) + "\n", kind="json", think=think)
 
 

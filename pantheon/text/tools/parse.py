@@ -13,7 +13,7 @@
 
 By default a call's events come out together once the call is complete and valid, so nothing is
 announced that is later dropped and streaming and non-streaming agree exactly. With
-`incremental=True` (XML dialects) the call opens as soon as its function name is read and each
+`incremental=True` the call opens as soon as its function name is read and each
 argument follows as soon as its value is complete; a call that then fails validation or never
 finishes has already been announced, and its error carries its `index`.
 
@@ -448,6 +448,88 @@ class _JsonExtent:
         return self.end
 
 
+class _JsonCallProgress:
+    """Partial read of one streaming call object (`{"name": ..., "arguments": {...}}`, also
+    `{"function": {...}}` / "parameters"): the name once its string is complete, and each top-level
+    argument once its value is complete and followed by "," or "}" (a number may still grow until
+    then). `read(buf)` resumes where the last read stopped; `raw(known)` is the progress as a
+    partial `_RawCall` (None until a known function's name is read)."""
+
+    _dec = json.JSONDecoder()
+
+    def __init__(self, start: int):
+        self.start = start
+        self.stack: list[list] = [["call", start + 1, False]]  # [role, pos, expecting "," or "}"]
+        self.name: str | None = None
+        self.params: list = []
+        self.args_seen = False
+        self.dead = False
+
+    def read(self, buf: str) -> None:
+        n = len(buf)
+        while self.stack and not self.dead:
+            top = self.stack[-1]
+            role, pos, delim = top
+            k = _skip_ws(buf, pos)
+            if k >= n:
+                return
+            if delim or buf[k] == "}":
+                if buf[k] == "," and delim:
+                    top[1], top[2] = k + 1, False
+                    continue
+                if buf[k] != "}":
+                    self.dead = True
+                    return
+                self.stack.pop()
+                if self.stack:
+                    self.stack[-1][1], self.stack[-1][2] = k + 1, True
+                continue
+            if buf[k] != '"':
+                self.dead = True
+                return
+            try:
+                key, e = self._dec.raw_decode(buf, k)
+            except (json.JSONDecodeError, RecursionError):
+                return
+            e = _skip_ws(buf, e)
+            if e >= n:
+                return
+            if buf[e] != ":":
+                self.dead = True
+                return
+            v = _skip_ws(buf, e + 1)
+            if v >= n:
+                return
+            if role == "call" and buf[v] == "{" and (
+                    key == "function" or (key in ("arguments", "parameters") and not self.args_seen)):
+                if key != "function":
+                    self.args_seen = True
+                top[1], top[2] = v, True  # resumed by the child's closing "}"
+                self.stack.append(["args" if key != "function" else "call", v + 1, False])
+                continue
+            try:
+                val, e = self._dec.raw_decode(buf, v)
+            except (json.JSONDecodeError, RecursionError):
+                return
+            e2 = _skip_ws(buf, e)
+            if e2 >= n:
+                return
+            if buf[e2] not in ",}":
+                self.dead = True
+                return
+            if role == "args":
+                self.params.append((key, val))
+            elif key == "name" or (key == "function" and isinstance(val, str)):
+                if isinstance(val, str) and self.name is None:
+                    self.name = val
+            top[1], top[2] = e, True
+
+    def raw(self, known: set[str]) -> _RawCall | None:
+        if self.dead or self.name is None or self.name not in known:
+            return None
+        return _RawCall(name=self.name, params=list(self.params), is_json=True)
+
+
 # scan statuses
 NEED_MORE, DONE, MALFORMED, NOT_CALL = "need_more", "done", "malformed", "not_call"
 
@@ -534,6 +616,7 @@ class _QwenScanner:
     def __init__(self, known: set[str]):
         self.known = known
         self.json = None
+        self.progress: _JsonCallProgress | None = None
 
     @classmethod
     def find_start(cls, buf: str, line_start: bool) -> tuple[int | None, int]:
@@ -622,13 +705,22 @@ class _QwenScanner:
                     else _Scan(NEED_MORE, partial=call)
             return self._skip_to_close(buf, k, wrapped, final, "unexpected text inside the call", call)
 
+    def _progress(self, buf: str, k: int) -> _RawCall | None:
+        if buf[k] != "{":
+            return None
+        if self.progress is None or self.progress.start != k:
+            self.progress = _JsonCallProgress(k)
+        self.progress.read(buf)
+        return self.progress.raw(self.known)
+
     def _scan_json_body(self, buf: str, k: int, final: bool) -> _Scan:
         if self.json is None or self.json.start != k:
             self.json = _JsonExtent(k)
         end = self.json.feed(buf)
         n = len(buf)
         if end is None:
-            return _unfinished(None, n, "the output ended inside the call's JSON") if final else _Scan(NEED_MORE)
+            return _unfinished(None, n, "the output ended inside the call's JSON") if final else \
+                _Scan(NEED_MORE, partial=self._progress(buf, k))
         try:
             obj = json.loads(buf[k:end])
         except (json.JSONDecodeError, RecursionError):
@@ -752,6 +844,9 @@ class _JsonScanner:
     def __init__(self, known: set[str]):
         self.known = known
         self.extent: _JsonExtent | None = None
+        self.progress: _JsonCallProgress | None = None
+
+    _progress = _QwenScanner._progress
 
     @staticmethod
     def _head(buf: str, p: int) -> bool | None:
@@ -842,7 +937,8 @@ class _JsonScanner:
             self.extent = _JsonExtent(k)
         end = self.extent.feed(buf)
         if end is None:
-            return _unfinished(None, n, "the output ended inside the call's JSON") if final else _Scan(NEED_MORE)
+            return _unfinished(None, n, "the output ended inside the call's JSON") if final else \
+                _Scan(NEED_MORE, partial=self._progress(buf, k))
         try:
             obj = json.loads(buf[k:end])
         except (json.JSONDecodeError, RecursionError):
@@ -896,7 +992,7 @@ class ToolCallParser:
         self.dialect = get_dialect(dialect)
         self.specs: dict[str, ToolSpec] = {s.name: s for s in normalize_tools(tools)}
         self._scanner_cls = _SCANNERS[self.dialect.name]
-        self.incremental = incremental and self.dialect.name != "json"
+        self.incremental = incremental
         self._new_id = id_factory or new_call_id
         self._think_open, self._think_close = think_tags
         self._start_in_reasoning = start_in_reasoning
@@ -1004,8 +1100,13 @@ class ToolCallParser:
             # _CALL
             sc = self._scanner.scan(buf, final)
             if self.incremental:
-                self._incremental_progress(ev, sc.partial if sc.status != DONE else
-                                           (sc.calls[0] if sc.calls else None))
+                if sc.status != DONE:
+                    raw0 = sc.partial
+                else:  # a JSON call streams only if it was seen open (one object, not a whole array at once)
+                    raw0 = sc.calls[0] if len(sc.calls) == 1 else None
+                    if raw0 is not None and raw0.is_json and self._inc is None:
+                        raw0 = None
+                self._incremental_progress(ev, raw0)
             if sc.status == NEED_MORE:
                 if not final:
                     return
@@ -1085,13 +1186,13 @@ class ToolCallParser:
 
     # -- incremental mode -----------------------------------------------------------------------
     def _incremental_progress(self, ev: ParseEvents, raw: _RawCall | None) -> None:
-        if raw is None or raw.name is None or raw.is_json:
+        if raw is None or raw.name is None:
             return
         inc = self._inc
         if inc is None:
             spec = self.specs.get(raw.name)
             inc = self._inc = {"spec": spec, "index": None, "id": None, "sent": 0, "args": {},
-                               "failed": spec is None}
+                               "raw": [], "failed": spec is None}
             if spec is None:
                 self._error("unknown_function", f"no tool named {raw.name!r} was offered", raw.name)
                 return
@@ -1103,9 +1204,18 @@ class ToolCallParser:
         spec = inc["spec"]
         root, props = spec.parameters, spec.properties
         addl = root.get("additionalProperties") if isinstance(root, dict) else None
-        while inc["sent"] < len(raw.params):
-            key, val = raw.params[inc["sent"]]
+        items = raw.params
+        if raw.is_json and raw.json_args is not None:  # the complete call: its parsed arguments
+            items = list(raw.json_args.items()) if isinstance(raw.json_args, dict) else []
+            if raw.error is None and items[: inc["sent"]] != inc["raw"]:
+                inc["failed"] = True
+                self._error("malformed_call", f"{spec.name}: the arguments changed after they were streamed",
+                            spec.name, None, inc["index"])
+                return
+        while inc["sent"] < len(items):
+            key, val = items[inc["sent"]]
             inc["sent"] += 1
+            inc["raw"].append((key, val))
             sch = props.get(key)
             if sch is None:
                 if not spec.additional_allowed:
@@ -1115,7 +1225,7 @@ class ToolCallParser:
                     return
                 sch = addl if isinstance(addl, dict) else None
             try:
-                typed = coerce_text(val, sch, root)
+                typed = coerce_value(val, sch, root) if raw.is_json else coerce_text(val, sch, root)
             except ValueError as e:
                 inc["failed"] = True
                 self._error("invalid_argument", f"{spec.name}.{key}: {e}", spec.name, key, inc["index"])
@@ -1134,6 +1244,9 @@ class ToolCallParser:
         if inc["failed"]:
             return
         spec = inc["spec"]
+        if raw.error:
+            inc["failed"] = True
+            return self._error("malformed_call", raw.error, spec.name, None, inc["index"])
         missing = [r for r in spec.required if r not in inc["args"]]
         if missing:
             inc["failed"] = True

@@ -319,3 +319,115 @@ def test_timing_smoke(smollm2_factory, driver):
     print(f"\n11 tools, qwen_xml required: build+compile {compile_s * 1e3:.1f} ms, "
           f"mask mean {mean_ms:.3f} ms over {len(times)} steps")
     assert compile_s < 1.0 and mean_ms < 5.0
+
+
+# -- bounded numbers (issue 12 §2) -------------------------------------------------------------------
+def _accepts(f, m, text) -> bool:
+    """The matcher accepts text as a prefix, fed one character's tokens at a time (so a refusal at
+    any byte shows, whatever the tokenizer would merge)."""
+    toks = [t for ch in text for t in f.tokenizer.encode(ch, add_bos=False)]
+    return m.validate_tokens(toks) == len(toks)
+
+
+NUM_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"},
+    "s": {"type": "string", "maxLength": 5}, "k": {"enum": ["aa", "bb"]},
+    "l": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}}, "required": ["n"]}}}]
+
+
+def _tool_prefix(dialect, key, value):
+    """The call up to and including `value` as parameter `key` (after n=1 unless key is n)."""
+    first = key == "n"
+    if dialect == "json":
+        return '{"name": "f", "arguments": {' + ("" if first else '"n": 1, ') + f'"{key}": {value}'
+    if dialect == "qwen_xml":
+        return "<tool_call>\n<function=f>\n" + ("" if first else "<parameter=n>\n1\n</parameter>\n") + \
+            f"<parameter={key}>\n{value}"
+    return '<function name="f">' + ("" if first else '<param name="n">1</param>') + f'<param name="{key}">{value}'
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_tool_numbers_are_bounded(smollm2_factory, dialect):
+    f = smollm2_factory
+    g = f.tool_grammar(dialect, NUM_TOOLS, "required", think="none")
+    assert g.downgraded == ()
+    ok = lambda key, v: _accepts(f, f.matcher(g), _tool_prefix(dialect, key, v))  # noqa: E731
+    for key in ("n", "x"):
+        assert ok(key, "9" * 20) and ok(key, "-" + "1" * 20)
+        assert not ok(key, "9" * 21) and not ok(key, "-" + "1" * 21)
+        assert not ok(key, "01")
+    assert ok("x", "1." + "5" * 20 + "e-123") and not ok("x", "1." + "5" * 21)
+    assert not ok("x", "1e1234")
+    assert not ok("n", "1.5")
+    assert ok("l", "[" + "1" * 20 + ", 2]") and not ok("l", "[1, 2, ") and not ok("l", "[" + "1" * 21)
+    # a string's maxLength and an enum still hold
+    q = '"' if dialect == "json" else ""
+    assert ok("k", q + "aa") and not ok("k", q + "ab")
+    assert ok("s", q + "abcde") and not ok("s", q + "abcdef")
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_tool_bounded_numbers_random_decoding(smollm2_factory, driver, dialect):
+    f = smollm2_factory
+    g = f.tool_grammar(dialect, NUM_TOOLS, "required", think="none")
+    for seed in range(2):
+        m = f.matcher(g)
+        text, _, _ = driver.run(m, seed, delay=3)
+        _, calls, errors = parse_complete(text + m.closing_text(), dialect, NUM_TOOLS)
+        assert errors == [] and len(calls) == 1, text
+        jsonschema.validate(calls[0].arguments, NUM_TOOLS[0]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("schema", [{"type": "integer"}, {"type": "number"},
+                                    {"type": "array", "items": {"type": "number"}}])
+def test_json_schema_numbers_are_bounded(smollm2_factory, schema):
+    f = smollm2_factory
+    g = f.json_schema_grammar(schema)
+    assert g.downgraded == ()
+    wrap = (lambda v: "[" + v) if schema["type"] == "array" else (lambda v: v)  # noqa: E731
+    assert _accepts(f, f.matcher(g), wrap("9" * 20))
+    assert not _accepts(f, f.matcher(g), wrap("9" * 21))
+    assert not _accepts(f, f.matcher(g), wrap("-" + "9" * 21))
+
+
+def test_one_sided_integer_range_is_bounded(smollm2_factory):
+    """llguidance's integer ranges are i64: a missing side is filled with +-(10**18 - 1)."""
+    f = smollm2_factory
+    g = f.json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}},
+                               "required": ["n"], "additionalProperties": False})
+    assert g.downgraded == ()
+    assert _accepts(f, f.matcher(g), '{"n": ' + "9" * 18 + "}")
+    assert not _accepts(f, f.matcher(g), '{"n": ' + "9" * 19)
+    assert not _accepts(f, f.matcher(g), '{"n": -1')
+
+
+def test_json_schema_limits_are_enforced(smollm2_factory):
+    f = smollm2_factory
+    g = f.json_schema_grammar(PERSON)
+    ok = lambda text: _accepts(f, f.matcher(g), text)  # noqa: E731
+    assert ok('{"name": "' + "a" * 40 + '"') and not ok('{"name": "' + "a" * 41)
+    head = '{"name": "a", "age": '
+    assert ok(head + "150") and not ok(head + "151") and not ok(head + "-1")
+    assert ok(head + '1, "role": "guest"') and not ok(head + '1, "role": "root"')
+    tags = head + '1, "role": "user", "tags": ['
+    assert ok(tags + '"a", "b", "c"]') and not ok(tags + '"a", "b", "c", ')
+    assert not ok(tags + '"' + "x" * 21)
+
+
+def test_pydantic_integer_field_stops_at_20_digits(smollm2_factory):
+    """client.beta.chat.completions.parse() with a pydantic model looped `"population": 1111...`."""
+    f = smollm2_factory
+    schema = {"title": "City", "type": "object", "additionalProperties": False, "required": ["name", "population"],
+              "properties": {"name": {"title": "Name", "type": "string"},
+                             "population": {"title": "Population", "type": "integer"}}}
+    for g in (f.json_schema_grammar(schema), f.json_object_grammar()):
+        m = f.matcher(g)
+        for t in f.tokenizer.encode('{"name": "Paris", "population": ', add_bos=False):
+            assert m.consume(t)
+        for _ in range(20):
+            assert m.consume(f.tokenizer.encode("1", add_bos=False)[0])
+        allowed = _allowed(f, m)
+        digits = [t for t in range(f.vocab_size) if allowed[t] and f.token_bytes(t)[:1].isdigit()]
+        assert digits == [], [f.token_bytes(t) for t in digits[:5]]
+        assert m.consume(f.tokenizer.encode("}", add_bos=False)[0])
+        assert m.is_accepting()

@@ -139,6 +139,62 @@ def test_incremental_mode_streams_each_argument(dialect):
     assert first_start < first_args
 
 
+QWEN_JSON_BODY = ('<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris, France", "days": 3}}'
+                  '\n</tool_call>')
+
+
+@pytest.mark.parametrize("dialect,text", [
+    ("qwen_xml", CASES["qwen_xml"][0]), ("minicpm_xml", CASES["minicpm_xml"][0]), ("json", CASES["json"][0]),
+    ("qwen_xml", QWEN_JSON_BODY),
+    ("json", '<tool_call>\n{"function": {"name": "search", "arguments": {"query": "x", "limit": 7}}}\n</tool_call>'),
+])
+def test_incremental_call_streams_char_by_char(dialect, text):
+    """Fed one character at a time: the call opens as soon as its name is complete, each argument
+    follows before the call closes, and the fragments concatenate to the final arguments JSON."""
+    p = ToolCallParser(dialect, TOOLS, incremental=True)
+    seen: list[tuple[int, object]] = []  # (characters fed so far, event)
+    for i, ch in enumerate(text, 1):
+        seen += [(i, e) for e in p.push(ch).tool_events]
+    tail, errors = p.finish()
+    seen += [(len(text) + 1, e) for e in tail.tool_events]
+    assert errors == [] and p.calls
+    call = p.calls[0]
+    first = [(i, e) for i, e in seen if e.index == 0]
+    at, start = first[0]
+    assert isinstance(start, ToolCallStart) and start.name == call.name and start.id == call.id
+    name_end = text.index(call.name) + len(call.name)
+    assert at <= name_end + 2  # right after the name (a closing quote / ">" at most)
+    frags = [(i, e) for i, e in first[1:] if isinstance(e, ToolCallArgs)]
+    assert json.loads("".join(e.fragment for _, e in frags)) == call.arguments
+    assert call.arguments_json == "".join(e.fragment for _, e in frags)
+    assert len(frags) == len(call.arguments) + 1  # one per argument, then "}"
+    # every argument is out before the call's text ends (only the closing "}" may wait for it)
+    close = "</function>" if "</function>" in text else "}}"
+    call_end = text.index(close) + len(close)
+    assert all(i <= call_end for i, _ in frags[:-1])
+    assert frags[-2][0] < frags[-1][0] or len(frags) == 1
+
+
+def test_incremental_json_number_waits_for_its_end():
+    p = ToolCallParser("json", TOOLS, incremental=True)
+    ev = p.push('{"name": "search", "arguments": {"query": "a", "limit": 1')
+    assert [type(e) for e in ev.tool_events] == [ToolCallStart, ToolCallArgs]
+    assert ev.tool_events[1].fragment == '{"query": "a"'
+    assert p.push("2").tool_events == []
+    assert [e.fragment for e in p.push("}").tool_events] == [', "limit": 12']
+    rest = p.push("}").tool_events + p.finish()[0].tool_events
+    assert [e.fragment for e in rest] == ["}"] and p.calls[0].arguments == {"query": "a", "limit": 12}
+
+
+def test_incremental_json_unknown_function_is_not_announced():
+    p = ToolCallParser("json", TOOLS, incremental=True)
+    ev = p.push('{"name": "nope", "arguments": {"a": 1')
+    assert ev.tool_events == []
+    p.push("}}")
+    _, errors = p.finish()
+    assert p.calls == [] and [e.code for e in errors] == ["unknown_function"]
+
+
 def test_partial_opener_is_held_back():
     p = ToolCallParser("qwen_xml", TOOLS)
     assert p.push("Hello <tool").content == "Hello"
