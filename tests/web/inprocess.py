@@ -56,3 +56,11 @@ class InProcessApp:
         self.state.pool.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+def tiny_app(tmp_path_factory, folder: str, **config):
+    """An InProcessApp serving a tiny llama model as "tiny" (a module fixture's body)."""
+    from tests.fixtures.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path_factory.mktemp(folder) / "tiny.gguf")
+    return InProcessApp([(str(path), "tiny")], **config)

@@ -10,8 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.tiny_models import write_tiny_llama
-from tests.web.inprocess import InProcessApp
+from tests.web.inprocess import tiny_app
 
 CHAT = "/v1/chat/completions"
 KV_CAP = 256  # the tiny model's context length
@@ -19,8 +18,7 @@ KV_CAP = 256  # the tiny model's context length
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    path = write_tiny_llama(tmp_path_factory.mktemp("compat") / "tiny.gguf")
-    server = InProcessApp([(str(path), "tiny")], max_concurrent=2, max_sessions=2)
+    server = tiny_app(tmp_path_factory, "compat", max_concurrent=2, max_sessions=2)
     yield server
     server.close()
 

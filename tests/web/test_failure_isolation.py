@@ -9,8 +9,7 @@ import asyncio
 import pytest
 
 from pantheon.engine.faults import FAULTS
-from tests.fixtures.tiny_models import write_tiny_llama
-from tests.web.inprocess import InProcessApp
+from tests.web.inprocess import tiny_app
 
 CHAT = "/v1/chat/completions"
 NO_END = {"0": -100, "2": -100}  # the tiny vocabulary's end-of-generation ids
@@ -18,8 +17,7 @@ NO_END = {"0": -100, "2": -100}  # the tiny vocabulary's end-of-generation ids
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    path = write_tiny_llama(tmp_path_factory.mktemp("iso") / "tiny.gguf")
-    server = InProcessApp([(str(path), "tiny")], max_concurrent=4, max_sessions=4)
+    server = tiny_app(tmp_path_factory, "iso", max_concurrent=4, max_sessions=4)
     yield server
     server.close()
 
