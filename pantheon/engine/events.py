@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 from pantheon.engine.sampler import SamplingParams
@@ -70,3 +72,12 @@ class RequestError:
     type: str
     message: str
     fields: dict = field(default_factory=dict)  # kv_used/kv_cap for context_over_budget; retry_after
+
+
+def failure_message(log: logging.Logger, what: str, error: BaseException | None = None, detail: str = "") -> str:
+    """A server_error's message: what failed, in words, and a short request id; the full exception
+    is logged under the same id (a client's report of the id finds the traceback). No exception
+    class or text reaches the client."""
+    rid = uuid.uuid4().hex[:12]
+    log.error("%s [request id %s]%s", what, rid, f" ({detail})" if detail else "", exc_info=error)
+    return f"{what} (request id {rid})"

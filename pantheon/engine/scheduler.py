@@ -27,14 +27,13 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError, failure_message
 from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
@@ -51,11 +50,7 @@ MAINTENANCE_S = 1.0
 
 
 def server_error(what: str, error: BaseException, detail: str = "") -> RequestError:
-    """A request's server_error: what failed, in words, and a short id; the full exception is
-    logged under the same id (a client's report of the id finds the traceback)."""
-    rid = uuid.uuid4().hex[:12]
-    log.error("%s [request id %s]%s", what, rid, f" ({detail})" if detail else "", exc_info=error)
-    return RequestError("server_error", f"{what} (request id {rid})")
+    return RequestError("server_error", failure_message(log, what, error, detail))
 
 
 class BusyError(Exception):

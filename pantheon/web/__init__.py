@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import uuid
 
 from quart import Quart, Response, request
 
 from pantheon.config import ServeConfig
 from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backend, configure_jax
+from pantheon.engine.events import failure_message
 from pantheon.engine.pool import ModelPool, PoolError
 from pantheon.web.errors import ApiError, LimitedRequest, error_response
 
@@ -168,9 +168,8 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     @app.errorhandler(Exception)
     async def server_error(e: Exception):
         # The body says what failed in words and carries the id; the log has the exception.
-        rid = uuid.uuid4().hex[:12]
-        log.error("unhandled error [request id %s] on %s %s", rid, request.method, request.path, exc_info=e)
-        return error_response(500, "server_error", f"internal error (request id {rid})")
+        message = failure_message(log, "internal error", e, f"{request.method} {request.path}")
+        return error_response(500, "server_error", message)
 
     return app
 

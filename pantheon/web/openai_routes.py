@@ -11,7 +11,7 @@ from quart import Blueprint, Response, current_app, request
 
 from pantheon.engine.scheduler import BusyError, MemoryConstrained
 from pantheon.engine.chat import ChatPlan, PlanError, PromptOverBudget, plan_chat
-from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError, failure_message
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
 from pantheon.web.errors import ApiError, error_body, invalid, json_body
@@ -89,9 +89,9 @@ async def _admitted(events, engine) -> None:
         _raise_for(first)
     if not isinstance(first, Admitted):
         await events.aclose()
-        rid = uuid.uuid4().hex[:12]
-        log.error("unexpected first engine event [request id %s]: %r", rid, first)
-        raise ApiError(500, "server_error", f"internal error: the engine did not admit the request (request id {rid})")
+        message = failure_message(log, "internal error: the engine did not admit the request",
+                                  detail=f"first engine event {first!r}")
+        raise ApiError(500, "server_error", message)
 
 
 def _logprobs(engine, tokens) -> list[dict]:
