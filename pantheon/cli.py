@@ -255,21 +255,23 @@ def _port(text: str) -> int:
     return value
 
 
-def _levels(text: str) -> str:
+def _int_list(text: str) -> list[int]:
+    """"1,4,8" -> [1, 4, 8]; [] when any item is not an integer."""
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        levels = []
+        return []
+
+
+def _levels(text: str) -> str:
+    levels = _int_list(text)
     if not levels or min(levels) <= 0:
         raise argparse.ArgumentTypeError(f"takes comma-separated positive integers, e.g. 1,4,8; got {text!r}")
     return text
 
 
 def _dies(text: str) -> str:
-    try:
-        dies = [int(d) for d in text.split(",") if d.strip()]
-    except ValueError:
-        dies = []
+    dies = _int_list(text)
     if not dies or min(dies) < 0:
         raise argparse.ArgumentTypeError(f"takes comma-separated device ordinals, e.g. 0,1; got {text!r}")
     return text
