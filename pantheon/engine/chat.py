@@ -82,61 +82,6 @@ def _sampling(chat, index: int) -> SamplingParams:
         logit_bias=chat.logit_bias, logprobs=chat.logprobs, top_logprobs=chat.top_logprobs if chat.logprobs else 0)
 
 
-_SCHEMA = (dict, bool)  # a subschema: an object, or true/false
-
-
-def schema_problem(schema, where: str) -> str | None:
-    """What is structurally wrong with a JSON schema (a keyword of the wrong type), or None. Only
-    the keywords a grammar compile reads are checked; unknown keywords are left alone."""
-    stack = [(schema, where)]
-    while stack:
-        node, at = stack.pop()
-        if isinstance(node, bool):
-            continue
-        if not isinstance(node, dict):
-            return f"'{at}' must be a schema object"
-        t = node.get("type")
-        if t is not None and not (isinstance(t, str) or (isinstance(t, list) and all(isinstance(x, str) for x in t))):
-            return f"'{at}.type' must be a string or an array of strings"
-        req = node.get("required")
-        if req is not None and not (isinstance(req, list) and all(isinstance(x, str) for x in req)):
-            return f"'{at}.required' must be an array of strings"
-        if "enum" in node and not isinstance(node["enum"], list):
-            return f"'{at}.enum' must be an array"
-        if "$ref" in node and not isinstance(node["$ref"], str):
-            return f"'{at}.$ref' must be a string"
-        for key in ("properties", "$defs", "definitions", "patternProperties"):
-            sub = node.get(key)
-            if sub is None:
-                continue
-            if not isinstance(sub, dict):
-                return f"'{at}.{key}' must be an object"
-            for name, item in sub.items():
-                if not isinstance(item, _SCHEMA):
-                    return f"'{at}.{key}.{name}' must be a schema object"
-                stack.append((item, f"{at}.{key}.{name}"))
-        for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-            sub = node.get(key)
-            if sub is None:
-                continue
-            if not isinstance(sub, list) or not all(isinstance(x, _SCHEMA) for x in sub):
-                return f"'{at}.{key}' must be an array of schema objects"
-            stack.extend((x, f"{at}.{key}[{i}]") for i, x in enumerate(sub))
-        for key in ("items", "additionalProperties", "not", "contains"):
-            sub = node.get(key)
-            if sub is None:
-                continue
-            if key == "items" and isinstance(sub, list):  # the older tuple form
-                if not all(isinstance(x, _SCHEMA) for x in sub):
-                    return f"'{at}.items' must be a schema object or an array of them"
-                stack.extend((x, f"{at}.items[{i}]") for i, x in enumerate(sub))
-                continue
-            if not isinstance(sub, _SCHEMA):
-                return f"'{at}.{key}' must be a schema object or a boolean"
-            stack.append((sub, f"{at}.{key}"))
-    return None
-
-
 def tool_choice_required_with_thinking(engine) -> bool:
     """The think block stays unconstrained and the call is compelled after it: the Qwen XML and
     JSON dialects (their grammars model it), not MiniCPM's attribute dialect; never with the
@@ -151,7 +96,7 @@ def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
     (len >= kv_cap) raises PromptOverBudget as soon as that is known: before tokenizing when the
     rendered text alone is too long, else right after, before any grammar compile."""
     from pantheon.text.chat_template import ChatTemplateError
-    from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, tool_grammar_policy
+    from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, schema_problem, tool_grammar_policy
 
     tools_on = bool(chat.tools) and chat.tool_choice != "none"
     messages, dialect, specs = chat.messages, None, None

@@ -230,6 +230,11 @@ MALFORMED_TOOLS = [
     [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {
         "anyOf": 5}}}}}],
     [{"type": "function", "function": {"name": "f", "parameters": {"$ref": 5}}}],
+    # not a type JSON schema knows (jsonschema's meta-schema check)
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {
+        "type": "str"}}}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {
+        "type": "string", "maxLength": -1}}}}}],
     [{"type": "function", "function": 5}],
     [{"type": "function", "function": {"name": 5}}],
     [5],

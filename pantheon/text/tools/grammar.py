@@ -23,14 +23,11 @@ Grammars (Lark, llguidance dialect):
   keywords llguidance does not implement are ignored and listed in `Grammar.downgraded`, so the
   caller can report `schema_downgraded`).
 
-Numbers are bounded everywhere (llguidance's JSON numbers are not: a model could write digits until
-max_tokens): schemas with numbers are translated to Lark down to the number leaves (`_BoundedJson`),
-integers `-?(0|[1-9][0-9]{0,19})`, numbers with at most 20 fraction digits and a 3-digit exponent;
-integer ranges stay llguidance's (i64: a one-sided range gets +-(10**18-1) as its other side);
-strings, enums, booleans and nodes with keywords the translation does not know stay `%json`
-(maxLength, enum, pattern... enforced there). Objects translated this way take only their listed
-properties, in order; json_object and `{}` values get a generic JSON grammar with bounded numbers.
-A translation llguidance rejects falls back to plain `%json` ("numbers not bounded" in downgraded).
+Numbers are bounded everywhere (llguidance's JSON numbers are not): see rules.py. A translation
+llguidance rejects falls back to plain `%json` ("numbers not bounded" in downgraded).
+
+Each dialect writes its own call rules (`Dialect.call_rules`, dialects/*.py); this module adds the
+think prefix and the mode around them, compiles, and runs the matchers.
 
 End of generation: the model's end tokens (the vocabulary's EOG set) are allowed only where the
 grammar accepts. Inside a call that is wherever the call can be completed by appending a fixed
@@ -39,17 +36,12 @@ after the arguments object (JSON). `closing_text()` returns that text (e.g.
 "</function>\\n</tool_call>"); the server appends it to the output. It is also how to finish a
 call cut off by max_tokens at such a point; cut off anywhere else (inside a value), it returns
 None and the parser reports the call as unfinished.
-
-Limits: string values in Qwen XML cannot contain "</parameter>", "<parameter=", "</function>" or
-"</tool_call>"; MiniCPM plain values cannot contain "<" or "&" (CDATA can); argument order is
-fixed by the schema.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import threading
 import time
@@ -60,27 +52,14 @@ from typing import Any
 import llguidance as llg
 import numpy as np
 
-from pantheon.text.tools.dialects import Dialect, ToolSpec, get_dialect, normalize_tools, xml_attr
-from pantheon.text.tools.parse import ToolCallParser, schema_types
+from pantheon.text.tools.dialect import Dialect
+from pantheon.text.tools.dialects import get_dialect
+from pantheon.text.tools.parse import ToolCallParser
+from pantheon.text.tools.rules import GAP, X_GUIDANCE_RF, BoundedJson, lit, rx
+from pantheon.text.tools.spec import ToolSpec, normalize_tools
 
 _ATTR_CONTROL = 1 << 3
 _ATTR_USER_DEFINED = 1 << 4
-
-# JSON values inside calls: compact, json.dumps-like separators, no free whitespace (a model trained
-# on json.dumps output writes exactly this, and random sampling cannot pad with whitespace forever)
-_X_GUIDANCE_ARGS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-                    "lenient": True}
-# response_format: whitespace allowed (models pretty-print) but bounded per gap
-_X_GUIDANCE_RF = {"whitespace_pattern": r"[ \t\n\r]{0,16}", "lenient": True}
-
-_WS = r"/[ \t\r\n]{1,8}/"
-
-
-def _max_length(sch) -> int | None:
-    """A string schema's maxLength: the grammar bounds the value, so a model that never closes a
-    string on its own is still moved on to the next parameter."""
-    n = sch.get("maxLength") if isinstance(sch, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 class GrammarError(ValueError):
@@ -106,226 +85,6 @@ def tool_grammar_policy(tool_choice: Any, has_tools: bool, env: str | None = Non
             return ("named", name) if isinstance(name, str) and name else ("auto", None)
         return None
     return ("auto", None) if env == "1" else None
-
-
-def _lit(s: str) -> str:
-    """A Lark string literal."""
-    return json.dumps(s, ensure_ascii=False)
-
-
-_RX_META = set("\\.^$|?*+()[]{}/-#&~")
-
-
-def _rx(s: str) -> str:
-    """Escape text for use inside a Lark /regex/."""
-    out = []
-    for c in s:
-        if c in _RX_META:
-            out.append("\\" + c)
-        elif c == "\n":
-            out.append("\\n")
-        elif c == "\t":
-            out.append("\\t")
-        elif c == "\r":
-            out.append("\\r")
-        else:
-            out.append(c)
-    return "".join(out)
-
-
-# -- bounded numbers -----------------------------------------------------------------------------
-# llguidance's JSON schema numbers are unbounded (`[1-9][0-9]*`): a model that keeps writing digits
-# is never stopped. Schemas with numbers are therefore compiled to Lark here down to the number
-# leaves, which get bounded regexes; every other leaf (strings, enums, booleans...) and any node
-# using keywords this translation does not know stays `%json` (llguidance enforces maxLength,
-# enum, pattern, ... there).
-INT_DIGITS, FRAC_DIGITS, EXP_DIGITS = 20, 20, 3
-_RX_INT = f"-?(0|[1-9][0-9]{{0,{INT_DIGITS - 1}}})"
-_RX_NUM = f"{_RX_INT}(\\.[0-9]{{1,{FRAC_DIGITS}}})?([eE][+-]?[0-9]{{1,{EXP_DIGITS}}})?"
-_INT_CAP = 10 ** 18 - 1   # llguidance's integer ranges are i64: a one-sided bound gets this other side
-_NOTE_KEYS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-              "writeOnly", "$schema", "$id", "x-guidance", "$defs", "definitions", "format"}
-
-
-class _BoundedJson:
-    """A JSON schema as Lark rules with bounded integer/number lexemes (see above).
-
-    sep: (item, key) separators, or None for response_format (whitespace around punctuation,
-    at most `ws` per gap). Rules are appended to `rules`; expr(schema) gives the expression."""
-
-    def __init__(self, root: dict, rules: list[str], xg: dict, prefix: str, compact: bool):
-        self.root, self.rules, self.xg, self.p, self.compact = root, rules, xg, prefix, compact
-        self.n = 0
-        self.refs: dict[str, str] = {}
-        self.delegated: dict[str, str] = {}
-        if compact:
-            self.item, self.key = _lit(xg.get("item_separator", ", ")), _lit(xg.get("key_separator", ": "))
-            self.ws = ""
-        else:
-            self.ws = f"{prefix.upper()}WS?"
-            rules.append(f"{prefix.upper()}WS: /[ \\t\\n\\r]{{1,16}}/")
-            self.item, self.key = f'{self.ws} "," {self.ws}', f'{self.ws} ":" {self.ws}'
-        rules.append(f"{prefix.upper()}INT: /{_RX_INT}/")
-        rules.append(f"{prefix.upper()}NUM: /{_RX_NUM}/")
-
-    def _name(self) -> str:
-        self.n += 1
-        return f"{self.p}r{self.n}"
-
-    def _resolve(self, ref: str) -> Any:
-        for k in ("#/$defs/", "#/definitions/"):
-            if ref.startswith(k):
-                d = self.root.get(k[2:-1])
-                if isinstance(d, dict) and ref[len(k):] in d:
-                    return d[ref[len(k):]]
-        return None
-
-    def _has_numbers(self, sch: Any, seen: set | None = None) -> bool:
-        seen = set() if seen is None else seen
-        if isinstance(sch, dict):
-            ref = sch.get("$ref")
-            if isinstance(ref, str) and ref not in seen:
-                seen.add(ref)
-                if self._has_numbers(self._resolve(ref), seen):
-                    return True
-            t = sch.get("type")
-            if t in ("integer", "number") or (isinstance(t, list) and ("integer" in t or "number" in t)):
-                return True
-            return any(self._has_numbers(v, seen) for k, v in sch.items()
-                       if k not in ("enum", "const", "$defs", "definitions"))
-        if isinstance(sch, list):
-            return any(self._has_numbers(v, seen) for v in sch)
-        return False
-
-    def delegate(self, sch: Any) -> str:
-        s = copy.deepcopy(sch) if isinstance(sch, dict) else ({} if sch is True else {"not": {}})
-        for k in ("$defs", "definitions"):
-            if k in self.root and k not in s:
-                s[k] = copy.deepcopy(self.root[k])
-        s["x-guidance"] = dict(self.xg)
-        text = f"%json{json.dumps(s, ensure_ascii=False)}"
-        if text not in self.delegated:   # one rule per distinct schema
-            name = self._name()
-            self.rules.append(f"{name}: {text}")
-            self.delegated[text] = name
-        return self.delegated[text]
-
-    def _any(self, kind: str = "val") -> str:
-        """Any JSON value (kind "val"), object ("obj") or array ("arr"), numbers bounded."""
-        p = self.p
-        if f"{p}any_val" not in self.refs:
-            self.refs[f"{p}any_val"] = "ok"
-            s = self.delegate({"type": "string"})
-            self.rules += [
-                f'{p}any_val: {p}any_obj | {p}any_arr | {s} | {p.upper()}NUM | "true" | "false" | "null"',
-                f'{p}any_obj: "{{" {self.ws} ({s} {self.key} {p}any_val ({self.item} {s} {self.key} {p}any_val)*)? '
-                f'{self.ws} "}}"',
-                f'{p}any_arr: "[" {self.ws} ({p}any_val ({self.item} {p}any_val)*)? {self.ws} "]"']
-        return f"{p}any_{kind}"
-
-    def expr(self, sch: Any) -> str:
-        keys = set(sch) - _NOTE_KEYS if isinstance(sch, dict) else set()
-        if sch is True or isinstance(sch, dict) and not keys:
-            return self._any()
-        if isinstance(sch, dict) and sch.get("type") in ("object", "array") and \
-                (keys == {"type"} or keys == {"type", "additionalProperties"} and sch["additionalProperties"] is True):
-            return self._any(sch["type"][:3])
-        if not isinstance(sch, dict) or not self._has_numbers(sch):
-            return self.delegate(sch)
-        if "$ref" in sch:
-            ref = sch["$ref"]
-            target = self._resolve(ref) if isinstance(ref, str) else None
-            if keys != {"$ref"} or target is None:
-                return self.delegate(sch)
-            if ref not in self.refs:
-                self.refs[ref] = name = self._name()
-                self.rules.append(f"{name}: {self.expr(target)}")
-            return self.refs[ref]
-        for k in ("anyOf", "oneOf"):
-            if k in sch:
-                if keys != {k} or not isinstance(sch[k], list) or not sch[k]:
-                    return self.delegate(sch)
-                return "(" + " | ".join(self.expr(s) for s in sch[k]) + ")"
-        t = sch.get("type")
-        if isinstance(t, list):
-            if not t or not all(isinstance(x, str) for x in t):
-                return self.delegate(sch)
-            return "(" + " | ".join(self.expr({**sch, "type": x}) for x in t) + ")"
-        if t == "integer":
-            return self._integer(sch, keys)
-        if t == "number":
-            if keys != {"type"}:   # ranges, multipleOf: llguidance's (fraction digits unbounded)
-                return self.delegate(sch)
-            return f"{self.p.upper()}NUM"
-        if t == "array" and keys <= {"type", "items", "minItems", "maxItems"} and isinstance(sch.get("items"), dict):
-            return self._array(sch)
-        if t == "object" and keys <= {"type", "properties", "required", "additionalProperties"} \
-                and isinstance(sch.get("properties"), dict) and sch["properties"] \
-                and sch.get("additionalProperties", False) in (False, True):
-            return self._object(sch)
-        return self.delegate(sch)
-
-    def _integer(self, sch: dict, keys: set) -> str:
-        if keys == {"type"}:
-            return f"{self.p.upper()}INT"
-        if not keys <= {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
-            return self.delegate(sch)
-        lo, hi = -_INT_CAP, _INT_CAP
-        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-        if num(sch.get("minimum")):
-            lo = max(lo, math.ceil(sch["minimum"]))
-        if num(sch.get("exclusiveMinimum")):
-            lo = max(lo, math.floor(sch["exclusiveMinimum"]) + 1)
-        if num(sch.get("maximum")):
-            hi = min(hi, math.floor(sch["maximum"]))
-        if num(sch.get("exclusiveMaximum")):
-            hi = min(hi, math.ceil(sch["exclusiveMaximum"]) - 1)
-        return self.delegate({"type": "integer", "minimum": lo, "maximum": hi})
-
-    def _array(self, sch: dict) -> str:
-        item = self.expr(sch["items"])
-        lo = sch.get("minItems", 0)
-        hi = sch.get("maxItems")
-        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and lo >= 0 else 0
-        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) and hi >= lo else None
-        if hi == 0:
-            body = ""
-        else:
-            rest_lo = max(lo - 1, 0)
-            rest = f"({self.item} {item})" + (f"{{{rest_lo},{hi - 1}}}" if hi is not None else
-                                                 (f"{{{rest_lo},}}" if rest_lo else "*"))
-            body = f"{item} {rest}"
-            if lo == 0:
-                body = f"({body})?"
-        name = self._name()
-        self.rules.append(f'{name}: "[" {self.ws} {body} {self.ws} "]"')
-        return name
-
-    def _object(self, sch: dict) -> str:
-        props = sch["properties"]
-        req = set(sch.get("required") or [])
-        names = list(props)
-        if not req <= set(names):
-            return self.delegate(sch)
-        members = [f"{_lit(json.dumps(k, ensure_ascii=False))} {self.key} {self.expr(props[k])}" for k in names]
-        # tail i: the members from i on, each after a separator (optional ones may be left out)
-        tails = [""] * (len(names) + 1)
-        for i in range(len(names) - 1, -1, -1):
-            tname = self._name()
-            opt = "" if names[i] in req else "?"
-            self.rules.append(f"{tname}: ({self.item} {members[i]}){opt} {tails[i + 1]}")
-            tails[i] = tname
-        alts = []
-        for f in range(len(names)):   # the first member given
-            alts.append(f"{members[f]} {tails[f + 1]}".strip())
-            if names[f] in req:
-                break
-        body = "(" + " | ".join(alts) + ")"
-        if not req:
-            body += "?"
-        name = self._name()
-        self.rules.append(f'{name}: "{{" {self.ws} {body} {self.ws} "}}"')
-        return name
 
 
 @dataclass
@@ -504,7 +263,7 @@ class GrammarFactory:
         tid = self.tokenizer.token_to_id(text)
         if tid is not None and tid in self.special_ids:
             return f"<[{tid}]>"
-        return _lit(text)
+        return lit(text)
 
     def _is_special(self, text: str) -> bool:
         tid = self.tokenizer.token_to_id(text)
@@ -584,11 +343,11 @@ class GrammarFactory:
             else:
                 rules = [f"think_rest: THINK_TEXT? {close}", "THINK_TEXT: /(?s:.+)/"]
         else:
-            rules = [f"think_rest[lazy]: /(?s:.*){_rx('</think>')}/"]
+            rules = [f"think_rest[lazy]: /(?s:.*){rx('</think>')}/"]
         if think == "open":
-            return f"think_rest {_WS}?", rules
+            return f"think_rest {GAP}?", rules
         rules.append(f"think_blk: {self._tag('<think>')} think_rest")
-        return f"(think_blk {_WS}?)?", rules
+        return f"(think_blk {GAP}?)?", rules
 
     # -- tool grammars --------------------------------------------------------------------------
     def tool_grammar(self, dialect: Dialect | str, tools, mode: str = "required", *,
@@ -625,175 +384,34 @@ class GrammarFactory:
             if is_err:
                 raise GrammarError(msgs[0] if msgs else "tool grammar rejected")
         downgraded += [m for m in msgs if m]
-        closers = {"qwen_xml": ("</tool_call>", "\n</tool_call>", "</function>\n</tool_call>"),
-                   "minicpm_xml": ("</function>",), "json": ("}",)}[d.name]
         return Grammar(lark=lark, kind="tool", dialect=d, tools=specs, mode=mode, think=think,
-                       closers=closers, downgraded=tuple(downgraded))
+                       closers=d.closers, downgraded=tuple(downgraded))
 
     def _tool_lark(self, d: Dialect, specs: list[ToolSpec], mode: str, think: str, typed: bool,
                    bounded: bool = False) -> str:
         prefix, rules = self._think_rules(think)
-        build = {"qwen_xml": self._qwen_rules, "minicpm_xml": self._minicpm_rules, "json": self._json_rules}[d.name]
-        fn_rules, open_expr, after_open, one_call, next_call, tail = build(
-            specs, "bounded" if typed and bounded else typed)
-        rules += fn_rules
+        c = d.call_rules(self._tag, specs, "bounded" if typed and bounded else typed)
+        rules += c.rules
         if mode == "auto":
             # llguidance's lexer commits to one lexeme: where a text think block may open, free
             # text must not also be able to start with "<think>", or it would swallow the block
             no_think = ""
             if think == "optional" and not self._is_special("<think>"):
-                no_think = f" & ~/{_rx('<think>')}(?s:.*)/"
-            if open_expr.startswith("<["):
-                trig = f"TEXT {open_expr}"
+                no_think = f" & ~/{rx('<think>')}(?s:.*)/"
+            if c.opener.startswith("<["):
+                trig = f"TEXT {c.opener}"
             else:
                 trig = "trig"
-                # a JSON call counts only at the start of a line (as for the parser): text before it
-                # ends with a newline, then blanks
-                lead = "((?s:.*)\\n)?[ \\t]*" if d.name == "json" else "(?s:.*)"
-                rules.append(f"trig[lazy]: /{lead}{_rx(json.loads(open_expr))}/{no_think}")
+                # a dialect whose calls count only at the start of a line (as for its scanner): text
+                # before the opener ends with a newline, then blanks
+                lead = "((?s:.*)\\n)?[ \\t]*" if d.call_at_line_start else "(?s:.*)"
+                rules.append(f"trig[lazy]: /{lead}{rx(json.loads(c.opener))}/{no_think}")
             rules.append(f"TEXT: /(?s:.*)/{no_think}")
-            rules.append(f"body: TEXT | {trig} {after_open} ({next_call} {_WS}? {open_expr} {after_open})* {tail}")
+            rules.append(f"body: TEXT | {trig} {c.after_open} ({c.between} {GAP}? {c.opener} {c.after_open})* {c.tail}")
             rules.append(f"start: {prefix} body")
         else:
-            rules.append(f"start: {prefix} {one_call}")
+            rules.append(f"start: {prefix} {c.call}")
         return "\n".join(rules) + "\n"
-
-    def _args_schema(self, spec: ToolSpec, sub: Any) -> dict:
-        """A parameter's schema made standalone for %json: root $defs copied in, our options set."""
-        s = copy.deepcopy(sub) if isinstance(sub, dict) else {}
-        root = spec.parameters if isinstance(spec.parameters, dict) else {}
-        for k in ("$defs", "definitions"):
-            if k in root and k not in s:
-                s[k] = copy.deepcopy(root[k])
-        s["x-guidance"] = dict(_X_GUIDANCE_ARGS)
-        return s
-
-    @staticmethod
-    def _json_value(rules: list[str], sch: dict, typed) -> str:
-        """A JSON value typed by sch (made standalone by _args_schema): `%json`, or with typed ==
-        "bounded" (bounded numbers) an expression over rules appended to `rules`."""
-        if typed != "bounded":
-            return f"%json{json.dumps(sch, ensure_ascii=False)}"
-        xg = sch.get("x-guidance") if isinstance(sch.get("x-guidance"), dict) else dict(_X_GUIDANCE_ARGS)
-        return _BoundedJson(sch, rules, xg, f"v{len(rules)}_", compact=True).expr(sch)
-
-    @staticmethod
-    def _string_enum(sch: Any, root: dict) -> list[str] | None:
-        if not isinstance(sch, dict):
-            return None
-        if "const" in sch and isinstance(sch["const"], str):
-            return [sch["const"]]
-        if isinstance(sch.get("enum"), list) and sch["enum"] and all(isinstance(v, str) for v in sch["enum"]):
-            return list(sch["enum"])
-        return None
-
-    def _value_kind(self, spec: ToolSpec, sch: Any) -> tuple[str, Any]:
-        """("enum", values) | ("text", None) | ("json", schema)."""
-        root = spec.parameters if isinstance(spec.parameters, dict) else {}
-        types = schema_types(sch, root)
-        enum = self._string_enum(sch, root)
-        if enum is not None:
-            return "enum", enum
-        if types is None or "string" in types:
-            return "text", None
-        return "json", self._args_schema(spec, sch)
-
-    def _function_rules(self, rules: list[str], specs: list[ToolSpec], name: str, fn_head, param_rule) -> None:
-        """Append to `rules`, per tool i, its parameter rules `p_{i}_{j}` and `{name}_{i}: fn_head(spec)
-        params` (optional parameters marked `?`), then `{name}`, the choice among the tools.
-        param_rule(spec, key, schema) -> a parameter's rule body; it may append rules of its own to
-        `rules` first."""
-        alts = []
-        for i, spec in enumerate(specs):
-            prules, parts = [], []
-            req = set(spec.required)
-            props = spec.properties
-            # required parameters the schema does not list under properties still have to be given
-            names = list(props) + [r for r in spec.required if r not in props]
-            for j, key in enumerate(names):
-                rname = f"p_{i}_{j}"
-                prules.append(f"{rname}: {param_rule(spec, key, props.get(key))}")
-                parts.append(rname if key in req else f"{rname}?")
-            rules += prules
-            rules.append(f"{name}_{i}: {fn_head(spec)} {' '.join(parts)}")
-            alts.append(f"{name}_{i}")
-        rules.append(f"{name}: {' | '.join(alts)}")
-
-    @staticmethod
-    def _string_value(rules: list[str], sch: Any, bounded) -> str:
-        """The rule a string value matches: "sval", or under a maxLength n the rule named by
-        bounded(n) -> (name, rule text), appended to `rules` the first time."""
-        n = _max_length(sch)
-        if n is None:
-            return "sval"
-        name, rule = bounded(n)
-        if rule not in rules:
-            rules.append(rule)
-        return name
-
-    def _qwen_rules(self, specs: list[ToolSpec], typed: bool):
-        open_tag, close_tag = self._tag("<tool_call>"), self._tag("</tool_call>")
-        rules = ["sval[lazy]: /(?s:.*)<\\/parameter>/ & ~/(?s:.*)(<parameter=|<\\/function>|<\\/tool_call>)(?s:.*)/"]
-
-        def bounded(n):  # at most n characters, then the newline before the close tag
-            return f"sval_{n}", (f"sval_{n}[lazy]: /(?s:.{{0,{n}}})\\n<\\/parameter>/ & "
-                                 "~/(?s:.*)(<parameter=|<\\/function>|<\\/tool_call>)(?s:.*)/")
-
-        def param(spec, key, sch):
-            kind, data = self._value_kind(spec, sch) if typed else ("text", None)
-            head = _lit(f"<parameter={key}>\n")
-            if kind == "enum":
-                return f"{head} ({' | '.join(_lit(v) for v in data)}) {_lit(chr(10) + '</parameter>' + chr(10))}"
-            if kind == "json":
-                return f"{head} {self._json_value(rules, data, typed)} {_lit(chr(10) + '</parameter>' + chr(10))}"
-            return f"{head} {self._string_value(rules, sch, bounded)} \"\\n\""
-
-        self._function_rules(rules, specs, "fn", lambda spec: _lit(f"<function={spec.name}>\n"), param)
-        fn_end = _lit("</function>\n")
-        rules.append(f"call: {open_tag} \"\\n\" fn ({fn_end} {close_tag}?)?")
-        after_open = "\"\\n\" fn"
-        next_call = f"{fn_end} {close_tag}"
-        tail = f"({fn_end} ({close_tag} {_WS}?)?)?"
-        return rules, open_tag, after_open, "call", next_call, tail
-
-    def _minicpm_rules(self, specs: list[ToolSpec], typed: bool):
-        rules = ['cdata: "<![CDATA[" cdata_rest', "cdata_rest[lazy]: /(?s:.*)\\]\\]>/",
-                 "PLAIN: /[^<&]*/", "sval: cdata | PLAIN"]
-
-        def bounded(n):  # at most n plain characters (no CDATA)
-            return f"PLAIN_{n}", f"PLAIN_{n}: /[^<&]{{0,{n}}}/"
-
-        def param(spec, key, sch):
-            kind, data = self._value_kind(spec, sch) if typed else ("text", None)
-            head = _lit(f'<param name="{xml_attr(key)}">')
-            close = _lit("</param>")
-            if kind == "enum":
-                vals = [v if not any(c in v for c in "<&\n") else f"<![CDATA[{v}]]>" for v in data]
-                return f"{head} ({' | '.join(_lit(v) for v in vals)}) {close}"
-            if kind == "json":
-                return f"{head} {self._json_value(rules, data, typed)} {close}"
-            return f"{head} {self._string_value(rules, sch, bounded)} {close}"
-
-        self._function_rules(rules, specs, "fnr", lambda spec: _lit(xml_attr(spec.name) + '">'), param)
-        open_lit = _lit('<function name="')
-        rules.append(f"call: {open_lit} fnr {_lit('</function>')}?")
-        tail = f"({_lit('</function>')} {_WS}?)?"
-        return rules, open_lit, "fnr", "call", _lit("</function>"), tail
-
-    def _json_rules(self, specs: list[ToolSpec], typed: bool):
-        rules, alts = [], []
-        for i, spec in enumerate(specs):
-            params = spec.parameters if isinstance(spec.parameters, dict) else {}
-            sch = self._args_schema(spec, params) if typed else {"x-guidance": dict(_X_GUIDANCE_ARGS)}
-            sch.setdefault("type", "object")
-            name = json.dumps(spec.name, ensure_ascii=False)[1:-1]  # as it appears inside a JSON string
-            rules.append(f"fnr_{i}: {_lit(name + chr(34) + ', ' + chr(34) + 'arguments' + chr(34) + ': ')} "
-                         f"{self._json_value(rules, sch, typed)}")
-            alts.append(f"fnr_{i}")
-        rules.append(f"fnr: {' | '.join(alts)}")
-        open_lit = _lit('{"name": "')
-        rules.append(f"call: {open_lit} fnr \"}}\"?")
-        return rules, open_lit, "fnr", "call", "\"}\"", f"(\"}}\" {_WS}?)?"
 
     # -- response_format ------------------------------------------------------------------------
     def json_object_grammar(self, think: str = "none") -> Grammar:
@@ -824,12 +442,12 @@ class GrammarFactory:
     def _json_grammar(self, schema: dict, think: str, bounded: bool = False) -> Grammar:
         prefix, rules = self._think_rules(think)
         s = copy.deepcopy(schema)
-        xg = dict(_X_GUIDANCE_RF)
+        xg = dict(X_GUIDANCE_RF)
         if isinstance(s.get("x-guidance"), dict):
             xg.update(s["x-guidance"])
         s["x-guidance"] = xg
         if bounded:
-            value = _BoundedJson(s, rules, xg, "j_", compact=False).expr(s)
+            value = BoundedJson(s, rules, xg, "j_", compact=False).expr(s)
         else:
             value = f"%json{json.dumps(s, ensure_ascii=False)}"
         rules.append(f"start: {prefix} {value}")
