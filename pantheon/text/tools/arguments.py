@@ -300,6 +300,11 @@ class ArgumentChecker:
         addl = root.get("additionalProperties")
         self.extra_schema = addl if isinstance(addl, (dict, bool)) else None
 
+    def string_only(self, key: str) -> bool:
+        """The parameter's schema allows a string and nothing else (its typed value is the text)."""
+        sch = self.spec.properties.get(key, self.extra_schema if self.spec.additional_allowed else None)
+        return schema_types(sch, self.root) == ["string"]
+
     def typed(self, key: str, value: Any, is_text: bool) -> Any:
         props = self.spec.properties
         if key in props:

@@ -358,7 +358,7 @@ class ToolCallParser:
         if inc is None:
             spec = self.specs.get(raw.name)
             inc = self._inc = {"spec": spec, "index": None, "id": None, "sent": 0, "args": {},
-                               "raw": [], "failed": spec is None}
+                               "raw": [], "failed": spec is None, "open": None}
             if spec is None:
                 self._error("unknown_function", f"no tool named {raw.name!r} was offered", raw.name)
                 return
@@ -386,14 +386,40 @@ class ToolCallParser:
                 inc["failed"] = True
                 self._error(e.code, e.message, spec.name, e.parameter, inc["index"])
                 return
-            frag = ("{" if not inc["args"] else ", ") + dumps(key) + ": " + dumps(typed)
             if key in inc["args"]:  # a repeated parameter cannot be streamed twice into one object
                 inc["failed"] = True
                 self._error("malformed_call", f"{spec.name}: parameter {key!r} given twice", spec.name, key,
                             inc["index"])
                 return
+            opened = inc["open"]
+            inc["open"] = None
+            if opened is None:
+                frag = ("{" if not inc["args"] else ", ") + dumps(key) + ": " + dumps(typed)
+            elif opened[0] == key and isinstance(typed, str) and typed.startswith(opened[1]):
+                frag = dumps(typed[len(opened[1]):])[1:-1] + '"'  # the rest of the string streamed so far
+            else:
+                inc["failed"] = True
+                self._error("malformed_call", f"{spec.name}: the value of {opened[0]!r} changed after it was streamed",
+                            spec.name, opened[0], inc["index"])
+                return
             inc["args"][key] = typed
             ev._add(ToolCallArgs(inc["index"], frag))
+        if raw.open_value is not None:
+            self._stream_open_value(ev, inc, *raw.open_value)
+
+    def _stream_open_value(self, ev: ParseEvents, inc: dict, key: str, sure: str | None) -> None:
+        """A string argument still being written streams as it grows: its key and opening quote,
+        then each piece of text that is sure to be part of it (JSON-escaped). Only for parameters
+        whose schema allows nothing but a string, so its typed value is the text itself."""
+        if sure is None or key in inc["args"] or not self._checker(inc["spec"]).string_only(key):
+            return
+        opened = inc["open"]
+        if opened is None:
+            opened = inc["open"] = [key, ""]
+            ev._add(ToolCallArgs(inc["index"], ("{" if not inc["args"] else ", ") + dumps(key) + ': "'))
+        if opened[0] == key and len(sure) > len(opened[1]) and sure.startswith(opened[1]):
+            ev._add(ToolCallArgs(inc["index"], dumps(sure[len(opened[1]):])[1:-1]))
+            opened[1] = sure
 
     def _finish_incremental(self, ev: ParseEvents, raw: RawCall) -> None:
         inc = self._inc

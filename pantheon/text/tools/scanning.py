@@ -41,6 +41,20 @@ def is_prefix_of_any(rest: str, tags: Iterable[str]) -> bool:
     return any(t.startswith(rest) for t in tags)
 
 
+def sure_prefix(raw: str, end_tags: tuple[str, ...], strip_newlines: bool) -> str | None:
+    """The part of a value still being written (raw, up to the end of the output) that is sure to
+    start it: a suffix that may begin one of end_tags is held back, and with strip_newlines
+    (values on their own lines, `strip_one_newline`) the first newline once it is known and any
+    trailing newline characters. None while not even the start can be told."""
+    raw = raw[: len(raw) - partial_suffix(raw, end_tags)]
+    if strip_newlines:
+        if raw in ("", "\r"):
+            return None
+        raw = raw[2:] if raw.startswith("\r\n") else raw[1:] if raw.startswith("\n") else raw
+        raw = raw.rstrip("\r\n")
+    return raw
+
+
 def strip_one_newline(v: str) -> str:
     if v.startswith("\r\n"):
         v = v[2:]
@@ -199,6 +213,9 @@ class RawCall:
     json_args: Any = None                       # JSON: the parsed arguments value
     is_json: bool = False
     error: str | None = None                    # a problem found while reading the call
+    # the value being written after the complete params: (key, the text sure to start it once it
+    # is complete, None while that cannot be told yet); for streaming string arguments
+    open_value: tuple[str, str | None] | None = None
 
 
 @dataclass

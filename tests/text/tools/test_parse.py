@@ -131,8 +131,12 @@ def test_incremental_mode_streams_each_argument(dialect):
     text, content, expected = CASES[dialect]
     got, calls, errors, events = _stream(dialect, text, list(text), incremental=True)
     assert errors == [] and got == content and _names_args(calls) == expected
-    frags = [e for e in events if isinstance(e, ToolCallArgs) and e.index == 0]
-    assert len(frags) == len(expected[0][1]) + 1  # one per argument, then the closing brace
+    frags = [e.fragment for e in events if isinstance(e, ToolCallArgs) and e.index == 0]
+    assert "".join(frags) == calls[0].arguments_json
+    # non-string values come whole; a string value comes as it grows, a character at a time here
+    for key, value in expected[0][1].items():
+        piece = '"' + key + '": ' + json.dumps(value)
+        assert any(f.endswith(piece) for f in frags) != isinstance(value, str), (key, frags)
     # the call opens before its first argument is complete
     first_start = next(i for i, e in enumerate(events) if isinstance(e, ToolCallStart))
     first_args = next(i for i, e in enumerate(events) if isinstance(e, ToolCallArgs))
@@ -167,7 +171,11 @@ def test_incremental_call_streams_char_by_char(dialect, text):
     frags = [(i, e) for i, e in first[1:] if isinstance(e, ToolCallArgs)]
     assert json.loads("".join(e.fragment for _, e in frags)) == call.arguments
     assert call.arguments_json == "".join(e.fragment for _, e in frags)
-    assert len(frags) == len(call.arguments) + 1  # one per argument, then "}"
+    strings = sum(isinstance(v, str) for v in call.arguments.values())
+    if dialect == "json" or text == QWEN_JSON_BODY:  # JSON values come whole: one per argument, then "}"
+        assert len(frags) == len(call.arguments) + 1
+    else:  # XML string values stream as they grow
+        assert len(frags) > len(call.arguments) + 1 + strings
     # every argument is out before the call's text ends (only the closing "}" may wait for it)
     close = "</function>" if "</function>" in text else "}}"
     call_end = text.index(close) + len(close)
@@ -406,3 +414,41 @@ def test_coercion_helpers():
         coerce_value(True, {"type": "integer"})
     with pytest.raises(ValueError):
         coerce_value({"a": 1}, {"type": "string"})
+
+
+STREAMED_CONTENT = 'x = "a </pa b"\\\n\tline2\n'  # a false start of a close tag, escapes, a trailing newline
+
+
+@pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml"])
+def test_a_string_value_streams_as_it_is_written(dialect):
+    from pantheon.text.tools import get_dialect
+    text = get_dialect(dialect).render_call("write_file", {"path": "a.py", "content": STREAMED_CONTENT})
+    # where the whole value has been written: only what may still be stripped is held back (Qwen
+    # strips the newline that ends a value; MiniCPM's CDATA keeps it)
+    if dialect == "qwen_xml":
+        value_end, shown = text.index(STREAMED_CONTENT) + len(STREAMED_CONTENT), json.dumps(STREAMED_CONTENT)[:-3]
+    else:
+        value_end, shown = text.index("]]>"), json.dumps(STREAMED_CONTENT)[:-1]
+    checked = False
+    p = ToolCallParser(dialect, TOOLS, incremental=True)
+    sent = ""
+    for i, ch in enumerate(text, 1):
+        sent += "".join(e.fragment for e in p.push(ch).tool_events if isinstance(e, ToolCallArgs))
+        if i == value_end:  # the value is out before its close tag
+            assert sent == '{"path": "a.py", "content": ' + shown
+            checked = True
+    assert checked
+    sent += "".join(e.fragment for e in p.finish()[0].tool_events if isinstance(e, ToolCallArgs))
+    assert p.errors == [] and p.calls[0].arguments == {"path": "a.py", "content": STREAMED_CONTENT}
+    assert sent == p.calls[0].arguments_json
+
+
+def test_a_streamed_string_that_breaks_its_schema_fails_its_announced_call():
+    tools = [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 5}}, "required": ["text"]}}}]
+    p = ToolCallParser("qwen_xml", tools, incremental=True)
+    ev = p.push("<tool_call>\n<function=note>\n<parameter=text>\nmuch too long")
+    assert [e.fragment for e in ev.tool_events if isinstance(e, ToolCallArgs)] == ['{"text": "', "much too long"]
+    p.push("\n</parameter>\n</function>\n</tool_call>")
+    _, errors = p.finish()
+    assert p.calls == [] and [(e.code, e.index) for e in errors] == [("invalid_argument", 0)]

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pantheon.text.tools.dialect import Dialect, value_text
 from pantheon.text.tools.rules import GAP, CallRules, Tag, function_rules, json_value, lit, string_value, value_kind
 from pantheon.text.tools.scanning import (DONE, MALFORMED, NEED_MORE, RawCall, Scan, Scanner, is_prefix_of_any,
-                                          partial_suffix, skip_ws, unfinished, xml_unescape)
+                                          partial_suffix, skip_ws, sure_prefix, unfinished, xml_unescape)
 from pantheon.text.tools.spec import ToolSpec
 
 
@@ -107,6 +107,8 @@ class MiniCpmXmlScanner(Scanner):
                     while buf.startswith(self.CDATA, j):  # "]]>" in a value is split across sections
                         ce = buf.find(self.CDATA_END, j + len(self.CDATA))
                         if ce < 0:
+                            rest = sure_prefix(buf[j + len(self.CDATA):], (self.CDATA_END,), strip_newlines=False)
+                            call.open_value = (key, value + rest)
                             return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
                         value += buf[j + len(self.CDATA):ce]
                         j = ce + len(self.CDATA_END)
@@ -120,6 +122,10 @@ class MiniCpmXmlScanner(Scanner):
                     return self._malformed(buf, j2, final, f"expected {close} after the CDATA value of {key!r}", call)
                 ends = [e for e in (buf.find(close, vs), buf.find(self.FN_CLOSE, vs)) if e >= 0]
                 if not ends:
+                    sure = sure_prefix(buf[vs:], (close, self.FN_CLOSE), strip_newlines=False)
+                    if "&" in sure[sure.rfind(";") + 1:]:  # an entity not complete yet
+                        sure = sure[: sure.rfind("&")]
+                    call.open_value = (key, xml_unescape(sure))
                     return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
                 e = min(ends)
                 call.params.append((key, xml_unescape(buf[vs:e])))

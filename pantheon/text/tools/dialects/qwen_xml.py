@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pantheon.text.tools.dialect import Dialect, value_text
 from pantheon.text.tools.rules import GAP, CallRules, Tag, function_rules, json_value, lit, string_value, value_kind
 from pantheon.text.tools.scanning import (DONE, MALFORMED, NEED_MORE, RawCall, Scan, Scanner, is_prefix_of_any,
-                                          partial_suffix, skip_ws, strip_one_newline, unfinished)
+                                          partial_suffix, skip_ws, strip_one_newline, sure_prefix, unfinished)
 from pantheon.text.tools.spec import ToolSpec
 
 
@@ -33,6 +33,7 @@ class QwenXmlScanner(Scanner):
     CLOSE, FN_CLOSE, P_OPEN, P_CLOSE = "</tool_call>", "</function>", "<parameter=", "</parameter>"
     # a call ends with ">" (a tag) or "}" (JSON body): no rescan is needed for pieces without these
     TRIGGER_CHARS = ">}]"
+    VALUE_ENDS = (P_CLOSE, P_OPEN, FN_CLOSE, CLOSE)
 
     @classmethod
     def find_start(cls, buf: str, line_start: bool) -> tuple[int | None, int]:
@@ -92,11 +93,11 @@ class QwenXmlScanner(Scanner):
                         else Scan(NEED_MORE, partial=call)
                 key = buf[k + len(self.P_OPEN):gt].strip()
                 vs = gt + 1
-                ends = [(e, tag) for tag in (self.P_CLOSE, self.P_OPEN, self.FN_CLOSE, self.CLOSE)
-                        if (e := buf.find(tag, vs)) >= 0]
+                ends = [(e, tag) for tag in self.VALUE_ENDS if (e := buf.find(tag, vs)) >= 0]
                 if not ends:
                     if final:
                         return unfinished(call, n, f"the output ended inside the value of {key!r}", key)
+                    call.open_value = (key, sure_prefix(buf[vs:], self.VALUE_ENDS, strip_newlines=True))
                     return Scan(NEED_MORE, partial=call)
                 e, tag = min(ends)
                 call.params.append((key, strip_one_newline(buf[vs:e])))
