@@ -122,8 +122,9 @@ class JsonCallProgress:
     """Partial read of one streaming call object (`{"name": ..., "arguments": {...}}`, also
     `{"function": {...}}` / "parameters"): the name once its string is complete, and each top-level
     argument once its value is complete and followed by "," or "}" (a number may still grow until
-    then). `read(buf)` resumes where the last read stopped; `raw(known)` is the progress as a
-    partial `RawCall` (None until a known function's name is read)."""
+    then), and the sure part of a string argument still being written (`open_value`). `read(buf)`
+    resumes where the last read stopped; `raw(known)` is the progress as a partial `RawCall` (None
+    until a known function's name is read)."""
 
     _dec = json.JSONDecoder()
 
@@ -134,9 +135,11 @@ class JsonCallProgress:
         self.params: list = []
         self.args_seen = False
         self.dead = False
+        self.open_value: tuple[str, str | None] | None = None
 
     def read(self, buf: str) -> None:
         n = len(buf)
+        self.open_value = None
         while self.stack and not self.dead:
             top = self.stack[-1]
             role, pos, delim = top
@@ -180,6 +183,8 @@ class JsonCallProgress:
             try:
                 val, e = self._dec.raw_decode(buf, v)
             except (json.JSONDecodeError, RecursionError):
+                if role == "args" and buf[v] == '"':
+                    self.open_value = (key, partial_json_string(buf[v + 1:]))
                 return
             e2 = skip_ws(buf, e)
             if e2 >= n:
@@ -197,7 +202,20 @@ class JsonCallProgress:
     def raw(self, known: set[str]) -> RawCall | None:
         if self.dead or self.name is None or self.name not in known:
             return None
-        return RawCall(name=self.name, params=list(self.params), is_json=True)
+        return RawCall(name=self.name, params=list(self.params), is_json=True, open_value=self.open_value)
+
+
+def partial_json_string(body: str) -> str | None:
+    """The text of an unterminated JSON string so far (body: after its opening quote), without an
+    escape that is not complete yet or a high surrogate still waiting for its pair; None when
+    it cannot be read (it will not parse when complete either)."""
+    for cut in range(len(body), max(len(body) - 12, 0) - 1, -1):
+        try:
+            text = json.loads('"' + body[:cut] + '"')
+        except json.JSONDecodeError:
+            continue
+        return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
+    return None
 
 
 NOT_A_CALL = "the JSON inside <tool_call> is not a call"

@@ -171,11 +171,9 @@ def test_incremental_call_streams_char_by_char(dialect, text):
     frags = [(i, e) for i, e in first[1:] if isinstance(e, ToolCallArgs)]
     assert json.loads("".join(e.fragment for _, e in frags)) == call.arguments
     assert call.arguments_json == "".join(e.fragment for _, e in frags)
+    # other values come whole (one fragment each, then "}"); strings stream as they grow
     strings = sum(isinstance(v, str) for v in call.arguments.values())
-    if dialect == "json" or text == QWEN_JSON_BODY:  # JSON values come whole: one per argument, then "}"
-        assert len(frags) == len(call.arguments) + 1
-    else:  # XML string values stream as they grow
-        assert len(frags) > len(call.arguments) + 1 + strings
+    assert strings and len(frags) > len(call.arguments) + 1 + strings
     # every argument is out before the call's text ends (only the closing "}" may wait for it)
     close = "</function>" if "</function>" in text else "}}"
     call_end = text.index(close) + len(close)
@@ -419,7 +417,7 @@ def test_coercion_helpers():
 STREAMED_CONTENT = 'x = "a </pa b"\\\n\tline2\n'  # a false start of a close tag, escapes, a trailing newline
 
 
-@pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml"])
+@pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml", "json"])
 def test_a_string_value_streams_as_it_is_written(dialect):
     from pantheon.text.tools import get_dialect
     text = get_dialect(dialect).render_call("write_file", {"path": "a.py", "content": STREAMED_CONTENT})
@@ -427,8 +425,11 @@ def test_a_string_value_streams_as_it_is_written(dialect):
     # strips the newline that ends a value; MiniCPM's CDATA keeps it)
     if dialect == "qwen_xml":
         value_end, shown = text.index(STREAMED_CONTENT) + len(STREAMED_CONTENT), json.dumps(STREAMED_CONTENT)[:-3]
-    else:
+    elif dialect == "minicpm_xml":
         value_end, shown = text.index("]]>"), json.dumps(STREAMED_CONTENT)[:-1]
+    else:  # JSON: the string's text is re-escaped as it is decoded
+        value_end = text.index(json.dumps(STREAMED_CONTENT, ensure_ascii=False)[:-1]) + len(json.dumps(STREAMED_CONTENT)) - 1
+        shown = json.dumps(STREAMED_CONTENT)[:-1]
     checked = False
     p = ToolCallParser(dialect, TOOLS, incremental=True)
     sent = ""
@@ -452,3 +453,14 @@ def test_a_streamed_string_that_breaks_its_schema_fails_its_announced_call():
     p.push("\n</parameter>\n</function>\n</tool_call>")
     _, errors = p.finish()
     assert p.calls == [] and [(e.code, e.index) for e in errors] == [("invalid_argument", 0)]
+
+
+def test_partial_json_strings_hold_back_what_is_not_complete():
+    from pantheon.text.tools.scanning import partial_json_string
+    assert partial_json_string('ab\\') == "ab"            # a lone backslash starts an escape
+    assert partial_json_string('ab\\\\') == "ab\\"   # an escaped backslash is complete
+    assert partial_json_string('ab\\u00e') == "ab"
+    assert partial_json_string('ab\\u00e9') == "ab\u00e9"
+    assert partial_json_string('a\\ud83d') == "a"        # waits for the low surrogate
+    assert partial_json_string('a\\ud83d\\ude00') == "a\U0001F600"
+    assert partial_json_string('a\\x' + "b" * 20) is None
