@@ -223,7 +223,10 @@ async def _stream(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine)
             out += chunk(ev.index, {"tool_calls": [entry]})
         return out
 
-    held: dict[int, list[bytes]] = {i: [chunk(i, {"role": "assistant", "content": ""})] for i in range(chat.n)}
+    # The first chunk of each choice carries the role only, as the contract lists the deltas: text
+    # starts with the first content delta (clients such as llama.cpp's test harness read a present
+    # "content" as a text delta and reject an empty one).
+    held: dict[int, list[bytes]] = {i: [chunk(i, {"role": "assistant"})] for i in range(chat.n)}
     current, ended = 0, set()
 
     def release() -> bytes:

@@ -141,6 +141,19 @@ def test_routes_without_v1_answer_like_their_v1_twins(app):
     assert status == 200 and events[-1] == "[DONE]"
 
 
+def test_each_streamed_choice_opens_with_a_role_only_delta(app):
+    # The contract's first delta is {"role":"assistant"}: no empty "content" rides it (llama.cpp's
+    # server tests reject a present-but-empty content delta), and no later delta repeats the role.
+    msgs = [{"role": "user", "content": "count to three"}]
+    status, events = app.stream(CHAT, chat(msgs, max_tokens=3, n=2))
+    assert status == 200 and events[-1] == "[DONE]"
+    for index in (0, 1):
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"][0]["index"] == index]
+        assert deltas[0] == {"role": "assistant"}, deltas
+        assert all("role" not in d for d in deltas[1:]), deltas
+        assert all(d["content"] for d in deltas if "content" in d), deltas
+
+
 @pytest.mark.parametrize("method, path", [("GET", "/v2/models"), ("GET", "/chat/completions"),
                                           ("POST", "/health"), ("POST", "/models"), ("GET", "/completions"),
                                           ("GET", "/v1/health")])

@@ -5,7 +5,8 @@ typed parameter values, and the per-tool rule layout. Pure text: nothing here co
 Numbers are bounded everywhere (llguidance's JSON numbers are not: a model could write digits until
 max_tokens): schemas with numbers are translated to Lark down to the number leaves (`BoundedJson`),
 integers `-?(0|[1-9][0-9]{0,19})`, numbers with at most 20 fraction digits and a 3-digit exponent;
-integer ranges stay llguidance's (i64: a one-sided range gets +-(10**18-1) as its other side);
+ranges with whole bounds get a regex of their own (`range_regex`, no exponent), other ranges and
+multipleOf stay llguidance's (whose fraction digits are unbounded);
 strings, enums, booleans and nodes with keywords the translation does not know stay `%json`
 (maxLength, enum, pattern... enforced there). Objects translated this way take only their listed
 properties, in order; json_object and `{}` values get a generic JSON grammar with bounded numbers.
@@ -75,9 +76,84 @@ def rx(s: str) -> str:
 INT_DIGITS, FRAC_DIGITS, EXP_DIGITS = 20, 20, 3
 _RX_INT = f"-?(0|[1-9][0-9]{{0,{INT_DIGITS - 1}}})"
 _RX_NUM = f"{_RX_INT}(\\.[0-9]{{1,{FRAC_DIGITS}}})?([eE][+-]?[0-9]{{1,{EXP_DIGITS}}})?"
-_INT_CAP = 10 ** 18 - 1   # llguidance's integer ranges are i64: a one-sided bound gets this other side
+_RX_RANGED = f"/{_RX_INT}(\\.[0-9]{{1,{FRAC_DIGITS}}})?/"   # a range's lexeme: no exponent
 _NOTE_KEYS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
               "writeOnly", "$schema", "$id", "x-guidance", "$defs", "definitions", "format"}
+
+
+def digit_range(lo: int, hi: int) -> str:
+    """A regex for the decimal integers lo..hi (0 <= lo <= hi), written without leading zeros."""
+    parts = []
+    for n in range(len(str(lo)), len(str(hi)) + 1):   # one alternative per digit count
+        a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10 ** n - 1)
+        parts.append(_same_length_range(str(a), str(b)))
+    return parts[0] if len(parts) == 1 else "(" + "|".join(parts) + ")"
+
+
+def _same_length_range(a: str, b: str) -> str:
+    if a == b:
+        return a
+    n = len(a)
+    if n == 1:
+        return f"[{a}-{b}]"
+    if a[0] == b[0]:
+        return a[0] + _same_length_range(a[1:], b[1:])
+    if a[1:] == "0" * (n - 1) and b[1:] == "9" * (n - 1):
+        return f"[{a[0]}-{b[0]}]" + _digits(n - 1)
+    parts = [a[0] + _same_length_range(a[1:], "9" * (n - 1))]
+    if int(b[0]) - int(a[0]) > 1:
+        parts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + _digits(n - 1))
+    parts.append(b[0] + _same_length_range("0" * (n - 1), b[1:]))
+    return "(" + "|".join(parts) + ")"
+
+
+def _digits(n: int) -> str:
+    return "[0-9]" if n == 1 else f"[0-9]{{{n}}}"
+
+
+def range_regex(bounds: dict, fraction: bool) -> str | None:
+    """A bounded Lark lexeme (two regexes intersected) for the integers (or numbers, when `fraction`) within JSON-schema bounds
+    whose values are whole; None when the range is empty. At most INT_DIGITS integer digits and
+    FRAC_DIGITS fraction digits, no exponent.
+
+    A number I.F with F not all zeros lies strictly between I and I+1, so with whole bounds it is
+    in range exactly when [I, I+1] is; the negative side is the positive one mirrored."""
+    cap = 10 ** INT_DIGITS - 1
+    lo, hi = -cap, cap
+    if "minimum" in bounds:
+        lo = max(lo, math.ceil(bounds["minimum"]))
+    if "exclusiveMinimum" in bounds:
+        lo = max(lo, math.floor(bounds["exclusiveMinimum"]) + 1)
+    if "maximum" in bounds:
+        hi = min(hi, math.floor(bounds["maximum"]))
+    if "exclusiveMaximum" in bounds:
+        hi = min(hi, math.ceil(bounds["exclusiveMaximum"]) - 1)
+    # bounds on the fractional values: whole bounds, so exclusive ones are one step in
+    flo = int(max([bounds[k] for k in ("minimum", "exclusiveMinimum") if k in bounds], default=-cap - 1))
+    fhi = int(min([bounds[k] for k in ("maximum", "exclusiveMaximum") if k in bounds], default=cap + 1))
+    flo, fhi = max(flo, -cap - 1), min(fhi, cap + 1)
+    # digit counts are bounded by the intersection with _RX_RANGED
+    frac_any, frac_zero = "\\.[0-9]*[1-9][0-9]*", "(\\.0+)?" if fraction else ""
+    alts = []
+
+    def side(a: int, b: int, sign: str) -> None:   # magnitudes a..b (whole), then fractional ones
+        if a <= b:
+            alts.append(sign + digit_range(a, b) + frac_zero)
+
+    def side_frac(a: int, b: int, sign: str) -> None:   # I.F, F nonzero, for I in a..b
+        if fraction and a <= b:
+            alts.append(sign + digit_range(a, b) + frac_any)
+
+    if hi >= 0:
+        side(max(lo, 0), hi, "")
+    if lo < 0:
+        side(max(-hi, 1), -lo, "-")
+    if fraction:   # I.F in (I, I+1): needs flo <= I and I + 1 <= fhi (positive side)
+        side_frac(max(flo, 0), fhi - 1, "")
+        side_frac(max(-fhi, 0), -flo - 1, "-")   # -(I.F) in (-(I+1), -I)
+    if not alts:
+        return None
+    return "/" + (alts[0] if len(alts) == 1 else "(" + "|".join(alts) + ")") + "/ & " + _RX_RANGED
 
 
 class BoundedJson:
@@ -187,9 +263,9 @@ class BoundedJson:
         if t == "integer":
             return self._integer(sch, keys)
         if t == "number":
-            if keys != {"type"}:   # ranges, multipleOf: llguidance's (fraction digits unbounded)
-                return self.delegate(sch)
-            return f"{self.p.upper()}NUM"
+            if keys == {"type"}:
+                return f"{self.p.upper()}NUM"
+            return self._ranged(sch, keys, fraction=True)
         if t == "array" and keys <= {"type", "items", "minItems", "maxItems"} and isinstance(sch.get("items"), dict):
             return self._array(sch)
         if t == "object" and keys <= {"type", "properties", "required", "additionalProperties"} \
@@ -201,19 +277,26 @@ class BoundedJson:
     def _integer(self, sch: dict, keys: set) -> str:
         if keys == {"type"}:
             return f"{self.p.upper()}INT"
+        return self._ranged(sch, keys, fraction=False)
+
+    def _ranged(self, sch: dict, keys: set, fraction: bool) -> str:
+        """An integer or number with integer-valued bounds, as a bounded lexeme of its own; other
+        keywords (multipleOf) or fractional bounds stay llguidance's (fraction digits unbounded)."""
         if not keys <= {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
             return self.delegate(sch)
-        lo, hi = -_INT_CAP, _INT_CAP
-        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-        if num(sch.get("minimum")):
-            lo = max(lo, math.ceil(sch["minimum"]))
-        if num(sch.get("exclusiveMinimum")):
-            lo = max(lo, math.floor(sch["exclusiveMinimum"]) + 1)
-        if num(sch.get("maximum")):
-            hi = min(hi, math.floor(sch["maximum"]))
-        if num(sch.get("exclusiveMaximum")):
-            hi = min(hi, math.ceil(sch["exclusiveMaximum"]) - 1)
-        return self.delegate({"type": "integer", "minimum": lo, "maximum": hi})
+        bounds = {k: sch[k] for k in keys - {"type"}}
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                   for v in bounds.values()):
+            return self.delegate(sch)
+        if fraction and not all(float(v).is_integer() for v in bounds.values()):
+            return self.delegate(sch)
+        rx = range_regex(bounds, fraction)
+        if rx is None:   # an empty range: llguidance says so when the grammar compiles
+            return self.delegate(sch)
+        self.n += 1
+        name = f"{self.p.upper()}R{self.n}"
+        self.rules.append(f"{name}: {rx}")
+        return name
 
     def _array(self, sch: dict) -> str:
         item = self.expr(sch["items"])

@@ -391,14 +391,46 @@ def test_json_schema_numbers_are_bounded(smollm2_factory, schema):
 
 
 def test_one_sided_integer_range_is_bounded(smollm2_factory):
-    """llguidance's integer ranges are i64: a missing side is filled with +-(10**18 - 1)."""
+    """A range with one side open still stops at 20 digits."""
     f = smollm2_factory
     g = f.json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}},
                                "required": ["n"], "additionalProperties": False})
     assert g.downgraded == ()
-    assert _accepts(f, f.matcher(g), '{"n": ' + "9" * 18 + "}")
-    assert not _accepts(f, f.matcher(g), '{"n": ' + "9" * 19)
+    assert _accepts(f, f.matcher(g), '{"n": ' + "9" * 20 + "}")
+    assert not _accepts(f, f.matcher(g), '{"n": ' + "9" * 21)
     assert not _accepts(f, f.matcher(g), '{"n": -1')
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_number_ranges_are_exact_and_bounded(smollm2_factory, dialect):
+    """Whole-valued ranges on numbers: the range holds exactly (fractions included), and fraction
+    digits stop at 20 (llguidance's own ranged numbers take fraction digits forever)."""
+    f = smollm2_factory
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "number", "minimum": 0, "maximum": 100},
+        "x": {"type": "number", "exclusiveMinimum": -2, "exclusiveMaximum": 3}}, "required": ["n"]}}}]
+    g = f.tool_grammar(dialect, tools, "required", think="none")
+    assert g.downgraded == ()
+    end = {"json": "}", "qwen_xml": "\n</parameter>", "minicpm_xml": "</param>"}[dialect]
+    ok = lambda key, v: _accepts(f, f.matcher(g), _tool_prefix(dialect, key, v) + end)  # noqa: E731
+    for v in ("0", "100", "100.0", "99.5", "0.25", "1." + "5" * 20):
+        assert ok("n", v), v
+    for v in ("101", "100.5", "-1", "-0.5", "1." + "5" * 21, "1e2"):
+        assert not ok("n", v), v
+    for v in ("-1.5", "2.99", "-1", "0", "2"):
+        assert ok("x", v), v
+    for v in ("-2", "3", "3.0", "-2.5"):
+        assert not ok("x", v), v
+
+
+def test_ranged_number_in_response_format(smollm2_factory):
+    f = smollm2_factory
+    g = f.json_schema_grammar({"type": "object", "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1}},
+                               "required": ["p"], "additionalProperties": False})
+    assert g.downgraded == ()
+    ok = lambda text: _accepts(f, f.matcher(g), '{"p": ' + text)  # noqa: E731
+    assert ok("0.75}") and ok("1}") and ok("0." + "3" * 20 + "}")
+    assert not ok("1.5") and not ok("0." + "3" * 21) and not ok("2")
 
 
 def test_json_schema_limits_are_enforced(smollm2_factory):
