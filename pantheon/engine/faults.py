@@ -48,6 +48,11 @@ class Faults:
                 return True
             return False
 
+    def pending(self, key: str) -> bool:
+        """Whether a counted fault of this kind is armed (without taking it)."""
+        with self._lock:
+            return self.counts.get(key, 0) > 0
+
     def snapshot(self) -> dict:
         with self._lock:
             return {**self.counts, "memory": self.memory}

@@ -72,19 +72,31 @@ class GraphRegistry:
     def call(self, key: GraphKey, fn: Callable, args: tuple, static: dict | None = None):
         """Run `fn(*args, **static)` through the compiled executable of `key`'s program."""
         static = static or {}
+        compiled = self.executable(key, fn, args, static)
+        return compiled(*args) if compiled is not None else fn(*args, **static)
+
+    def _slot(self, key: GraphKey, fn: Callable, static: dict) -> _Slot:
+        """key's slot; slots of the same program at the same shapes share one executable."""
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
                 exe_key = (id(fn), key.kind, key.program, key.bucket, tuple(sorted(static.items(), key=str)))
-                exe = self._exes.setdefault(exe_key, _Executable())
-                slot = self._slots[key] = _Slot(exe)
+                slot = self._slots[key] = _Slot(self._exes.setdefault(exe_key, _Executable()))
+            return slot
+
+    def executable(self, key: GraphKey, fn: Callable, args: tuple, static: dict | None = None):
+        """The compiled executable of `key`'s program (compiled now if due), or None when it is not
+        available — failed, given up, ineligible or waiting for its retry: the caller then runs its
+        fallback (for the full-step program: the per-layer programs)."""
+        static = static or {}
+        slot = self._slot(key, fn, static)
         slot.calls += 1
         exe = slot.exe
-        if exe.compiled is None and not exe.gave_up and not slot.ineligible and time.monotonic() >= exe.next_retry:
+        if slot.ineligible:
+            return None
+        if exe.compiled is None and not exe.gave_up and time.monotonic() >= exe.next_retry:
             self._compile(key, exe, fn, args, static)
-        if exe.compiled is not None:
-            return exe.compiled(*args)
-        return fn(*args, **static)
+        return exe.compiled
 
     def _compile(self, key, exe: _Executable, fn, args, static) -> None:
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ known: batch in DECODE_BUCKETS, prefill chunk in CHUNK_BUCKETS, attended cache l
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from pantheon.model.numerics import Numerics
 from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
+from pantheon.model.step import full_step
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 CHUNK_BUCKETS = (16, 64, 128, 256, 512)
@@ -30,6 +32,7 @@ MIN_KV_BUCKET = 128
 
 
 KV_RETRY_BUDGET_ENV = "PN_KV_RETRY_BUDGET"
+FULL_STEP_ENV = "PANTHEON_FULL_STEP"
 
 
 class AttentionResidency:
@@ -194,6 +197,8 @@ class ModelRunner:
         self.attention = AttentionResidency(self)
         self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), sampler_sharding)
         self.scratch = n_slots  # the extra cache slot padded rows write to
+        # Decode through one full-step program per batch bucket (PANTHEON_FULL_STEP=0: per-layer only)
+        self.full_step = os.environ.get(FULL_STEP_ENV, "1") != "0"
 
     def kv_bucket(self, needed: int) -> int:
         b = MIN_KV_BUCKET
@@ -246,14 +251,28 @@ class ModelRunner:
         return jnp.concatenate(outs) if all_logits else outs[-1]
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> jax.Array:
-        """One token for each active slot. Returns logits [bucket, V]; rows past len(slots) are padding."""
+        """One token for each active slot. Returns logits [bucket, V]; rows past len(slots) are padding.
+
+        Runs the full-step program of the batch bucket (the `segment` class) where it is available,
+        else the per-layer programs: while a layer's KV is on the host, when the compile failed (it
+        is retried on the registry's backoff), or for a step an injected `step` fault targets."""
         n = len(slots)
         b = bucket_for(n, DECODE_BUCKETS)
         ids = np.zeros((b, 1), np.int32)
         pos = np.zeros((b, 1), np.int32)
         rows = np.full(b, self.scratch, np.int32)
         ids[:n, 0], pos[:n, 0], rows[:n] = tokens, positions, slots
-        return self._forward("decode", ids, pos, rows, np.zeros(b, np.int32), self.kv_bucket(max(positions) + 1))
+        logit_index = np.zeros(b, np.int32)
+        if self.full_step and not self.attention.host_layers() and not FAULTS.pending("step"):
+            args = (self.params, self.cache, ids, pos, rows, logit_index)
+            # Decode attention reads each row's slot in place up to its position (kernels.py), so
+            # one program per batch bucket serves every attended length: it is traced at the cache length.
+            static = dict(forward=self.family.forward, spec=self.spec, numerics=self.numerics, kv_len=self.ctx)
+            step = self.registry.executable(GraphKey("decode", "segment", (b,), program="step"), full_step, args, static)
+            if step is not None:
+                logits, self.cache = step(*args)
+                return logits
+        return self._forward("decode", ids, pos, rows, logit_index, self.kv_bucket(max(positions) + 1))
 
     def run(self, work: StepWork) -> StepOutput:
         """Execute one scheduler step: the prefill chunk, then the decode rows, each followed by

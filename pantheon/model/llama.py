@@ -38,9 +38,14 @@ def _project(w, x, positions, spec: ModelSpec, num: Numerics):
     """Attention inputs: q [B, T, H, D], k and v [B, T, K, D], rotated at their absolute positions."""
     b, t, _ = x.shape
     h = rms_norm(x, w["attn_norm"], spec.rms_eps)
-    q = linear(h, w["wq"], num.scheme("wq")).reshape(b, t, spec.n_head, spec.head_dim)
-    k = linear(h, w["wk"], num.scheme("wk")).reshape(b, t, spec.n_head_kv, spec.head_dim)
-    v = linear(h, w["wv"], num.scheme("wv")).reshape(b, t, spec.n_head_kv, spec.head_dim)
+    if "wqkv" in w:  # fused at load (weights.FUSED)
+        q, k, v = jnp.split(linear(h, w["wqkv"], num.scheme("wq")), [spec.n_head * spec.head_dim,
+                                                                      (spec.n_head + spec.n_head_kv) * spec.head_dim], -1)
+    else:
+        q, k, v = (linear(h, w[key], num.scheme(key)) for key in ("wq", "wk", "wv"))
+    q = q.reshape(b, t, spec.n_head, spec.head_dim)
+    k = k.reshape(b, t, spec.n_head_kv, spec.head_dim)
+    v = v.reshape(b, t, spec.n_head_kv, spec.head_dim)
     if "bq" in w:  # qwen2-style projection biases
         q = q + w["bq"].reshape(spec.n_head, spec.head_dim)
         k = k + w["bk"].reshape(spec.n_head_kv, spec.head_dim)
@@ -58,6 +63,9 @@ def _tail(w, x, attn, spec: ModelSpec, num: Numerics):
     b, t, _ = x.shape
     x = x + spec.residual_scale * linear(attn.reshape(b, t, -1).astype(x.dtype), w["wo"], num.scheme("wo"))
     h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
+    if "w_gate_up" in w:  # fused at load (weights.FUSED)
+        gate, up = jnp.split(linear(h, w["w_gate_up"], num.scheme("w_gate")), 2, -1)
+        return x + spec.residual_scale * linear(jax.nn.silu(gate) * up, w["w_down"], num.scheme("w_down"))
     schemes = tuple(num.scheme(key) for key in ("w_gate", "w_up", "w_down"))
     return x + spec.residual_scale * swiglu(h, w["w_gate"], w["w_up"], w["w_down"], schemes)
 

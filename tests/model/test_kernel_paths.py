@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pantheon.engine.graphs import GraphRegistry
-from pantheon.engine.runner import ModelRunner
+from pantheon.engine.runner import FULL_STEP_ENV, ModelRunner
 from pantheon.gguf import open_gguf
 from pantheon.model import kernels as kern
 from pantheon.model import llama, qwen35moe
@@ -76,6 +76,9 @@ def run_model(path, monkeypatch, mode: str):
     """Prefill PROMPTS into slots 0 and 1 (all logits), then decode STEPS in one batch, under
     PANTHEON_KERNELS=mode. Returns (prefill logits, decode logits [steps, 2, V], {program: kernels})."""
     monkeypatch.setenv(dispatch.ENV, mode)
+    # the per-layer programs, whose static `kernels` the registry sees (the full-step program
+    # inlines them: tests/engine/test_full_step.py compares the two)
+    monkeypatch.setenv(FULL_STEP_ENV, "0")
     g = open_gguf(path)
     spec = spec_from_gguf(g)
     fam = family_of(spec)
