@@ -120,12 +120,15 @@ def _bench_http(args) -> int:
         if not url:
             _phase("starting a server and loading the model...")
             server, url = _start_bench_server(path, max(levels), args)
+        if args.against:
+            _phase(f"measuring against {args.against} ({args.runs} runs per level, alternating)...")
+            both = httpbench.compare({"pantheon": url, "other": args.against}, levels, args.decode_tokens, bias,
+                                     runs=args.runs)
+            print(httpbench.comparison_table(both["pantheon"], both["other"]))
+            print(httpbench.as_json(both["pantheon"], both["other"]))
+            return 0
         _phase("compiling (warm-up) and measuring...")
-        results = []
-        httpbench.run_level(url, 1, 8, bias)  # warm-up: compiles the executables the levels need
-        for level in levels:
-            httpbench.run_level(url, level, 8, bias)
-            results.append(httpbench.run_level(url, level, args.decode_tokens, bias))
+        results = httpbench.compare({"pantheon": url}, levels, args.decode_tokens, bias, runs=args.runs)["pantheon"]
         print(httpbench.table(results))
         print(httpbench.as_json(results))
     finally:
@@ -333,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated levels, e.g. 1,4,8: aggregate decode tok/s and TTFT p50/p95 against a "
                         "live server, started here unless --url (default: off, the engine directly)")
     b.add_argument("--url", help="a running server to measure with --concurrency (default: start one here)")
+    b.add_argument("--against", metavar="URL",
+                   help="with --concurrency: also measure this OpenAI-compatible server (e.g. llama-server on the "
+                        "same model), alternating run by run, and print both with the ratios (default: off)")
+    b.add_argument("--runs", type=_positive_int, default=3,
+                   help="measured runs per level (and per server); the median run is reported (default: 3)")
     b.add_argument("--interleave", type=_positive_int, metavar="N",
                    help="short-request TTFT and a running stream's decode tok/s, alone and beside an "
                         "N-token prefill, through the scheduler (default: off)")
@@ -376,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """What argparse's types cannot check alone, before anything loads (one line, exit code 2)."""
+    if args.command == "bench" and (args.against or args.url) and not args.concurrency:
+        parser._subparsers._group_actions[0].choices["bench"].error("--against and --url measure over HTTP: "
+                                                                      "give --concurrency too, e.g. 1,4,8")
     if args.command != "generate":
         return
     sp = parser._subparsers._group_actions[0].choices["generate"]  # its prog names the subcommand

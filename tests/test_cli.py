@@ -91,6 +91,8 @@ def test_version_prints_the_package_version():
     (["tokenize", "--model", "/nonexistent/m.gguf", "hi"], "no such file"),
     (["bench", "--decode-tokens", "-5"], "--decode-tokens: must be a positive integer"),
     (["bench", "--concurrency", "1,x"], "--concurrency: takes comma-separated positive integers"),
+    (["bench", "--against", "http://127.0.0.1:9"], "give --concurrency too"),
+    (["bench", "--concurrency", "1", "--runs", "0"], "--runs: must be a positive integer"),
     (["profile", "--requests", "0"], "--requests: must be a positive integer"),
     (["serve", "--port", "70000"], "--port: must be a port number"),
     (["serve", "--max-sessions", "0"], "--max-sessions: must be a positive integer"),

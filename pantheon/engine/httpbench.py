@@ -1,5 +1,11 @@
-"""`pantheon bench --concurrency 1,4,8`: aggregate decode throughput and time to first token per
-concurrency level, measured against a live server over HTTP (streaming), as clients see it."""
+"""`pantheon bench --concurrency 1,4,8 [--against URL]`: aggregate decode throughput and time to
+first token per concurrency level, measured over HTTP (streaming) as clients see it — against one
+server, or against Pantheon and another OpenAI-compatible server (e.g. llama-server) in alternation,
+with the ratios.
+
+Every client streams a distinct prompt with the end-of-generation tokens banned by `logit_bias`, so
+each request decodes exactly the asked number of tokens on either server; a level is run `runs`
+times per server (alternating servers run by run) and the median run is reported."""
 
 from __future__ import annotations
 
@@ -11,7 +17,16 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+TOPICS = ("a lighthouse keeper who finds a message in a bottle", "a cartographer mapping a city that moves",
+          "two rival bakers in a mountain village", "a robot learning to garden", "a violinist who loses her hearing",
+          "a ship's cat on a long voyage", "an astronomer who discovers a new comet",
+          "a librarian guarding a forbidden book", "a child who can talk to rivers", "a retired detective's last case",
+          "a beekeeper during a drought", "a train that never stops", "a painter who only paints doors",
+          "twins separated by an ocean", "a chess player and a ghost", "the last clockmaker in Prague")
+
+
+def prompt_for(i: int) -> str:
+    return f"Write a long story about {TOPICS[i % len(TOPICS)]}." + (f" Part {i // len(TOPICS) + 1}." if i >= len(TOPICS) else "")
 
 
 @dataclass
@@ -26,37 +41,44 @@ class LevelResult:
     ttft_p95_ms: float
 
 
-def _one(url: str, model: str | None, max_tokens: int, logit_bias: dict, out: list) -> None:
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "temperature": 0.7,
+def _one(url: str, model: str | None, max_tokens: int, logit_bias: dict, prompt: str, out: list) -> None:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.7,
             "stream": True, "stream_options": {"include_usage": True}, "logit_bias": logit_bias}
     if model:
         body["model"] = model
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, chunks = None, 0, 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             ev = json.loads(line[6:])
-            if first is None and ev.get("choices") and ev["choices"][0]["delta"].get("content"):
-                first = time.perf_counter()
+            if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
     end = time.perf_counter()
-    out.append((t0, (first or end) - t0, end, tokens))
+    out.append((t0, (first or end) - t0, end, tokens or chunks))
 
 
 def run_level(url: str, concurrency: int, max_tokens: int, logit_bias: dict, model: str | None = None,
-              rounds: int = 1) -> LevelResult:
+              rounds: int = 1, first_prompt: int = 0) -> LevelResult:
+    """`concurrency` streaming clients at once (each with its own prompt), `rounds` times."""
     results: list = []
     start = time.perf_counter()
-    for _ in range(rounds):
-        threads = [threading.Thread(target=_one, args=(url, model, max_tokens, logit_bias, results))
-                   for _ in range(concurrency)]
+    for r in range(rounds):
+        threads = [threading.Thread(target=_one, args=(url, model, max_tokens, logit_bias,
+                                                        prompt_for(first_prompt + r * concurrency + i), results))
+                   for i in range(concurrency)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+    if len(results) != concurrency * rounds:
+        raise RuntimeError(f"{url}: {concurrency * rounds - len(results)} request(s) failed")
     wall = time.perf_counter() - start
     tokens = sum(r[3] for r in results)
     ttfts = sorted(r[1] for r in results)
@@ -66,6 +88,34 @@ def run_level(url: str, concurrency: int, max_tokens: int, logit_bias: dict, mod
                        1000 * statistics.median(ttfts), 1000 * p95)
 
 
+def median_run(runs: list[LevelResult]) -> LevelResult:
+    """The run with the median aggregate throughput (its TTFTs come with it)."""
+    return sorted(runs, key=lambda r: r.aggregate_tok_s)[len(runs) // 2]
+
+
+def compare(servers: dict[str, str], levels: list[int], max_tokens: int, logit_bias: dict, runs: int = 3,
+            models: dict[str, str | None] | None = None) -> dict[str, list[LevelResult]]:
+    """{server name: url} -> {server name: [median LevelResult per level]}. Each level: one short
+    warm-up per server, then `runs` measured runs, the servers alternating run by run (so drift of the
+    machine hits both alike); distinct prompts in every run."""
+    models = models or {}
+    out: dict[str, list[LevelResult]] = {name: [] for name in servers}
+    prompt = 0
+    for level in levels:
+        for name, url in servers.items():
+            run_level(url, level, 8, logit_bias, models.get(name), first_prompt=prompt)
+        prompt += level
+        measured: dict[str, list[LevelResult]] = {name: [] for name in servers}
+        for _ in range(runs):
+            for name, url in servers.items():
+                measured[name].append(run_level(url, level, max_tokens, logit_bias, models.get(name),
+                                                first_prompt=prompt))
+            prompt += level
+        for name in servers:
+            out[name].append(median_run(measured[name]))
+    return out
+
+
 def table(results: list[LevelResult]) -> str:
     head = f"{'concurrency':>11}  {'agg tok/s':>9}  {'per-stream tok/s':>16}  {'TTFT p50 ms':>11}  {'TTFT p95 ms':>11}"
     rows = [f"{r.concurrency:>11}  {r.aggregate_tok_s:>9.1f}  {r.per_stream_tok_s:>16.1f}  "
@@ -73,5 +123,21 @@ def table(results: list[LevelResult]) -> str:
     return "\n".join([head, *rows])
 
 
-def as_json(results: list[LevelResult]) -> str:
-    return json.dumps({"levels": [asdict(r) for r in results]})
+def comparison_table(ours: list[LevelResult], theirs: list[LevelResult], name: str = "other") -> str:
+    """Side by side: aggregate tok/s and TTFT p50 of both, and the ratios (ours / theirs)."""
+    head = (f"{'clients':>7}  {'pantheon tok/s':>14}  {name + ' tok/s':>16}  {'ratio':>5}  "
+            f"{'TTFT pantheon':>13}  {'TTFT ' + name:>13}  {'TTFT ratio':>10}")
+    rows = [f"{a.concurrency:>7}  {a.aggregate_tok_s:>14.1f}  {b.aggregate_tok_s:>16.1f}  "
+            f"{a.aggregate_tok_s / max(b.aggregate_tok_s, 1e-9):>5.2f}  {a.ttft_p50_ms / 1000:>12.2f}s  "
+            f"{b.ttft_p50_ms / 1000:>12.2f}s  {a.ttft_p50_ms / max(b.ttft_p50_ms, 1e-9):>10.2f}"
+            for a, b in zip(ours, theirs)]
+    return "\n".join([head, *rows])
+
+
+def as_json(results: list[LevelResult], against: list[LevelResult] | None = None) -> str:
+    out: dict = {"levels": [asdict(r) for r in results]}
+    if against is not None:
+        out["against"] = [asdict(r) for r in against]
+        out["ratios"] = [{"concurrency": a.concurrency, "aggregate": a.aggregate_tok_s / max(b.aggregate_tok_s, 1e-9),
+                          "ttft_p50": a.ttft_p50_ms / max(b.ttft_p50_ms, 1e-9)} for a, b in zip(results, against)]
+    return json.dumps(out)

@@ -28,10 +28,11 @@ from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache
 
 
-@partial(jax.jit, static_argnames=("spec",))
-def embed(table, tokens, *, spec: ModelSpec):
-    """tokens int32 [B, T] -> x [B, T, E]."""
-    return table[tokens] * spec.embed_scale
+@partial(jax.jit, static_argnames=("spec", "by_column"))
+def embed(table, tokens, *, spec: ModelSpec, by_column: bool = False):
+    """tokens int32 [B, T] -> x [B, T, E]. table: [V, E], or the tied head [E, V] with by_column."""
+    x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1) if by_column else table[tokens]
+    return x * spec.embed_scale
 
 
 def _project(w, x, positions, spec: ModelSpec, num: Numerics):
@@ -100,13 +101,12 @@ def attn_tail(w, x, attn, *, spec: ModelSpec, numerics: Numerics):
 
 @partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
 def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numerics, all_logits: bool):
-    """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits)."""
+    """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits). table: [E, V]."""
     if not all_logits:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = rms_norm(x, output_norm, spec.rms_eps)
-    # The head stays [V, E]: it is the embedding table itself when tied.
     x = quantize_activations(x, numerics.scheme("head"))
-    return (jnp.einsum("...i,vi->...v", x, table) / spec.logit_scale).astype(jnp.float32)
+    return (jnp.einsum("...i,iv->...v", x, table) / spec.logit_scale).astype(jnp.float32)
 
 
 def block_kernels(spec: ModelSpec, cache: KVCache, t: int) -> kern.Kernels:
@@ -126,7 +126,8 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
 
     Returns (logits [B, V] — or [B, T, V] when all_logits — and the updated cache). The cache's
     per-layer buffers are donated and replaced in `cache`'s own lists as each layer runs."""
-    x = call("embed", embed, (params["embed"], tokens), dict(spec=spec))
+    tied = "embed" not in params  # the embedding is the head [E, V] (weights.load_params)
+    x = call("embed", embed, (params["head"] if tied else params["embed"], tokens), dict(spec=spec, by_column=tied))
     # The cache's per-layer lists are updated in place, layer by layer: if a later layer fails,
     # the caller's cache still names every live buffer (the donated ones are already replaced).
     ks, vs = cache.k, cache.v
@@ -140,7 +141,6 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
             x = call("attn_tail", attn_tail, (w, x, attn), plain)
         else:
             x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), static)
-    table = params["embed"] if spec.tied_embeddings else params["output"]
-    logits = call("head", head, (table, params["output_norm"], x, logit_index),
+    logits = call("head", head, (params["head"], params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits))
     return logits, KVCache(ks, vs)

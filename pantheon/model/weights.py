@@ -62,10 +62,13 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None) ->
               for i in range(spec.n_layer)]
     if not isinstance(device, Mesh):  # a mesh splits q/k/v and gate/up by heads and columns: kept apart
         layers = [fuse_projections(w, numerics_for(g, spec)) for w in layers]
-    params = {"embed": load_tensor(g, "token_embd.weight"), "output_norm": load_tensor(g, "output_norm.weight"),
-              "layers": layers}
+    # The head is stored [E, V] (x @ W streams ~20% faster than against [V, E] on XLA:CPU); a tied
+    # embedding is that same array, looked up by column (llama.embed), so it is held once.
+    table = load_tensor(g, "token_embd.weight")
+    params = {"head": (table if spec.tied_embeddings else load_tensor(g, "output.weight")).T,
+              "output_norm": load_tensor(g, "output_norm.weight"), "layers": layers}
     if not spec.tied_embeddings:
-        params["output"] = load_tensor(g, "output.weight")
+        params["embed"] = table
     host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)
     if not isinstance(device, Mesh):
         return jax.tree_util.tree_map(lambda a: jax.device_put(host(a), device), params)

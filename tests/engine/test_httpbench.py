@@ -1,0 +1,77 @@
+"""`pantheon bench --concurrency ... --against URL`: the comparison logic against two small fake
+OpenAI-compatible streaming servers (the real servers are benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pantheon.engine import httpbench
+
+
+def fake_server(delay_s: float, usage: bool):
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            send = lambda ev: self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())  # noqa: E731
+            send({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            for _ in range(body["max_tokens"]):
+                time.sleep(delay_s)
+                send({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+            if usage:
+                send({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}", seen
+
+
+@pytest.fixture
+def servers():
+    fast, fast_url, fast_seen = fake_server(0.002, usage=True)
+    slow, slow_url, slow_seen = fake_server(0.008, usage=False)  # no usage: content chunks are counted
+    yield (fast_url, fast_seen), (slow_url, slow_seen)
+    fast.shutdown()
+    slow.shutdown()
+
+
+def test_compare_alternates_servers_with_distinct_prompts_and_reports_ratios(servers):
+    (fast_url, fast_seen), (slow_url, slow_seen) = servers
+    bias = {"2": -100}
+    both = httpbench.compare({"pantheon": fast_url, "other": slow_url}, [1, 2], 10, bias, runs=3)
+    ours, theirs = both["pantheon"], both["other"]
+    assert [r.concurrency for r in ours] == [1, 2] == [r.concurrency for r in theirs]
+    for r in ours + theirs:
+        assert r.completion_tokens == 10 * r.concurrency  # every request decoded exactly max_tokens
+    assert all(a.aggregate_tok_s > b.aggregate_tok_s for a, b in zip(ours, theirs))
+    # per level: a warm-up, then 3 runs each; both servers got the same prompts, all distinct per run
+    assert len(fast_seen) == len(slow_seen) == (1 + 3) * 1 + (1 + 3) * 2
+    measured = [b["messages"][0]["content"] for b in fast_seen if b["max_tokens"] == 10]
+    assert len(set(measured)) == len(measured) == 3 * 1 + 3 * 2
+    assert sorted(measured) == sorted(b["messages"][0]["content"] for b in slow_seen if b["max_tokens"] == 10)
+    assert all(b["logit_bias"] == bias and b["stream"] for b in fast_seen + slow_seen)
+    text = httpbench.comparison_table(ours, theirs, "llama-server")
+    assert "llama-server tok/s" in text and len(text.splitlines()) == 3
+    ratios = json.loads(httpbench.as_json(ours, theirs))["ratios"]
+    assert [round(r["aggregate"], 6) for r in ratios] == [round(a.aggregate_tok_s / b.aggregate_tok_s, 6)
+                                                           for a, b in zip(ours, theirs)]
+    assert all(r["aggregate"] > 1 for r in ratios)
+
+
+def test_a_failed_request_fails_the_level():
+    with pytest.raises(Exception):
+        httpbench.run_level("http://127.0.0.1:9", 1, 4, {})
