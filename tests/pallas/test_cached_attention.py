@@ -18,16 +18,18 @@ def cache_and_rows(rng, n_slots, c, kh, d, slots):
     return k, v, np.asarray(slots, np.int32)
 
 
-@pytest.mark.parametrize("t,c,block,h,kh", [(1, 300, 64, 4, 2), (7, 300, 64, 6, 3), (16, 256, 256, 4, 1),
-                                            (32, 1000, 128, 8, 2)])
-def test_blocked_matches_the_reference_on_the_rows_slots(rng, t, c, block, h, kh):
+@pytest.mark.parametrize("t,c,block,fine,span,h,kh", [(1, 300, 64, 64, 256, 4, 2), (7, 300, 64, 32, 100, 6, 3),
+                                                     (16, 256, 256, 64, 256, 4, 1), (32, 1000, 128, 64, 256, 8, 2),
+                                                     (1, 1000, 256, 64, 256, 4, 2), (1, 40, 256, 64, 256, 4, 2),
+                                                     (3, 700, 256, 48, 200, 4, 2)])
+def test_blocked_matches_the_reference_on_the_rows_slots(rng, t, c, block, fine, span, h, kh):
     d, b, n_slots = 16, 3, 5
     k, v, slots = cache_and_rows(rng, n_slots, c, kh, d, [4, 0, 2])
     start = rng.integers(0, c - t, b)
     q_pos = (start[:, None] + np.arange(t)[None]).astype(np.int32)
     q = rng.standard_normal((b, t, h, d)).astype(np.float32)
     got = cached_attention_blocked(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots),
-                                   jnp.asarray(q_pos), block_k=block)
+                                   jnp.asarray(q_pos), block_k=block, fine_k=fine, fine_span=span)
     want = attention_reference(jnp.asarray(q), jnp.asarray(k[slots]), jnp.asarray(v[slots]), jnp.asarray(q_pos))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5,
                                err_msg=f"seed {rng.seed}")
@@ -44,12 +46,13 @@ def test_stale_nan_past_the_position_never_leaks_and_negative_positions_give_zer
     assert np.isfinite(out).all() and not out[1].any()
 
 
-def test_a_rows_result_is_bit_identical_alone_and_beside_a_longer_row(rng):
-    c, kh, d, h = 512, 2, 16, 4
+@pytest.mark.parametrize("short", [40, 300])  # in the fine blocks, and past them
+def test_a_rows_result_is_bit_identical_alone_and_beside_a_longer_row(rng, short):
+    c, kh, d, h = 1024, 2, 16, 4
     k, v, _ = cache_and_rows(rng, 3, c, kh, d, [0])
     q = rng.standard_normal((2, 1, h, d)).astype(np.float32)
     pair = cached_attention_blocked(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([0, 1], jnp.int32),
-                                    jnp.asarray([[40], [500]], jnp.int32), block_k=64)
+                                    jnp.asarray([[short], [1000]], jnp.int32))
     alone = cached_attention_blocked(jnp.asarray(q[:1]), jnp.asarray(k), jnp.asarray(v),
-                                     jnp.asarray([0], jnp.int32), jnp.asarray([[40]], jnp.int32), block_k=64)
+                                     jnp.asarray([0], jnp.int32), jnp.asarray([[short]], jnp.int32))
     assert np.array_equal(np.asarray(pair[0]), np.asarray(alone[0]))
