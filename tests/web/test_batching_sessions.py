@@ -178,6 +178,9 @@ def test_new_session_over_max_sessions_is_429_while_the_sessions_are_watched(sma
     # the host tier and the new id is served (tests/web/test_sessions_tiers.py). The 429 stays for
     # sessions that cannot move: busy, or held by /session/watch.
     url = small_server.url
+    # compile tinyB's programs first, so that cap-1 cannot idle past the 1.5 s TTL while cap-2's
+    # request compiles (on a loaded machine)
+    assert tiny(url, "tinyB").status_code == 200
     assert tiny(url, "tinyB", "cap-1").status_code == 200
     assert tiny(url, "tinyB", "cap-2").status_code == 200
     with watching(url, "cap-1", "tinyB"), watching(url, "cap-2", "tinyB"):
