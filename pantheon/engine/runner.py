@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,20 @@ def graph_class(kind: str, program: str, batch: int) -> str:
     if program == "ssm_block":
         return "batched_ssm" if batch > 1 else "single_ssm"
     return "batched_attn"
+
+
+@partial(jax.jit, static_argnames=("forward", "spec", "numerics", "kv_len", "want_top"),
+         donate_argnames=("state", "sampler_state"))
+def full_step_and_sample(params, state, tokens, positions, slots, logit_index, sampler_state, rows, temperature,
+                         top_k, top_p, presence, frequency, keys, steps, forced, *, forward, spec, numerics,
+                         kv_len: int, want_top: bool):
+    """The full decode step (model/step.py) with the sampler inlined: one program from token ids to
+    sampled ids (the logits never leave it). Returns (SampleOutput, state, sampler_state)."""
+    logits, state = full_step(params, state, tokens, positions, slots, logit_index, forward=forward, spec=spec,
+                              numerics=numerics, kv_len=kv_len)
+    out, sampler_state = sample(logits, sampler_state, rows, temperature, top_k, top_p, presence, frequency, keys,
+                                steps, forced, want_top=want_top)
+    return out, state, sampler_state
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -256,23 +271,50 @@ class ModelRunner:
         Runs the full-step program of the batch bucket (the `segment` class) where it is available,
         else the per-layer programs: while a layer's KV is on the host, when the compile failed (it
         is retried on the registry's backoff), or for a step an injected `step` fault targets."""
+        ids, pos, rows, logit_index = self._decode_inputs(slots, tokens, positions)
+        if self._full_step_ok():
+            args = (self.params, self.cache, ids, pos, rows, logit_index)
+            step = self.registry.executable(GraphKey("decode", "segment", (len(rows),), program="step"), full_step,
+                                            args, self._step_static())
+            if step is not None:
+                logits, self.cache = step(*args)
+                return logits
+        return self._forward("decode", ids, pos, rows, logit_index, self.kv_bucket(max(positions) + 1))
+
+    def _decode_inputs(self, slots, tokens, positions):
+        """(ids [b, 1], positions [b, 1], rows [b], logit_index [b]) padded to the batch bucket."""
         n = len(slots)
         b = bucket_for(n, DECODE_BUCKETS)
         ids = np.zeros((b, 1), np.int32)
         pos = np.zeros((b, 1), np.int32)
         rows = np.full(b, self.scratch, np.int32)
         ids[:n, 0], pos[:n, 0], rows[:n] = tokens, positions, slots
-        logit_index = np.zeros(b, np.int32)
-        if self.full_step and not self.attention.host_layers() and not FAULTS.pending("step"):
-            args = (self.params, self.cache, ids, pos, rows, logit_index)
-            # Decode attention reads each row's slot in place up to its position (kernels.py), so
-            # one program per batch bucket serves every attended length: it is traced at the cache length.
-            static = dict(forward=self.family.forward, spec=self.spec, numerics=self.numerics, kv_len=self.ctx)
-            step = self.registry.executable(GraphKey("decode", "segment", (b,), program="step"), full_step, args, static)
+        return ids, pos, rows, np.zeros(b, np.int32)
+
+    def _full_step_ok(self) -> bool:
+        return self.full_step and not self.attention.host_layers() and not FAULTS.pending("step")
+
+    def _step_static(self) -> dict:
+        # Decode attention reads each row's slot in place up to its position (kernels.py), so one
+        # program per batch bucket serves every attended length: it is traced at the cache length.
+        return dict(forward=self.family.forward, spec=self.spec, numerics=self.numerics, kv_len=self.ctx)
+
+    def decode_and_sample(self, d: "DecodeWork") -> SampleOutput:
+        """A decode step and its sampling as one program (the full step with the sampler inlined),
+        where the full step is available and no row is grammar-constrained; otherwise `decode`
+        then `sample`. Same tokens either way."""
+        if self._full_step_ok() and d.mask is None:
+            ids, pos, rows, logit_index = self._decode_inputs(d.slots, d.tokens, d.positions)
+            sargs, want_top = self._sample_args(len(rows), d.slots, d.sampling, d.forced, None, advance=False)
+            args = (self.params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
+            key = GraphKey("decode", "segment", (len(rows), want_top), program="step_sample")
+            step = self.registry.executable(key, full_step_and_sample, args, dict(self._step_static(), want_top=want_top))
             if step is not None:
-                logits, self.cache = step(*args)
-                return logits
-        return self._forward("decode", ids, pos, rows, logit_index, self.kv_bucket(max(positions) + 1))
+                for s in d.sampling:
+                    s.step += 1
+                out, self.cache, self.sampler_state = step(*args)
+                return jax.tree_util.tree_map(np.asarray, out)
+        return self.sample(self.decode(d.slots, d.tokens, d.positions), d.slots, d.sampling, d.forced, d.mask)
 
     def run(self, work: StepWork) -> StepOutput:
         """Execute one scheduler step: the prefill chunk, then the decode rows, each followed by
@@ -289,8 +331,7 @@ class ModelRunner:
         d = work.decode
         if d is not None:
             with jax.profiler.TraceAnnotation("decode_step", batch=len(d.slots)):
-                logits = self.decode(d.slots, d.tokens, d.positions)
-            out.decode = self.sample(logits, d.slots, d.sampling, d.forced, d.mask)
+                out.decode = self.decode_and_sample(d)
         return out
 
     def repair(self) -> bool:
@@ -340,6 +381,16 @@ class ModelRunner:
         `forced[i] >= 0` replaces row i's choice (teacher forcing, e.g. closing a think block);
         its logprob is still the model's. `mask`: int32 [len(slots), words] grammar bitmask rows."""
         b = logits.shape[0]
+        sargs, want_top = self._sample_args(b, slots, sampling, forced, mask)
+        args = (logits, self.sampler_state, *sargs)
+        key = GraphKey("sample", "segment", (b, want_top, mask is not None), program="sample")
+        with jax.profiler.TraceAnnotation("sample", batch=len(slots)):
+            out, self.sampler_state = self.registry.call(key, sample, args, dict(want_top=want_top))
+            return jax.tree_util.tree_map(np.asarray, out)
+
+    def _sample_args(self, b: int, slots, sampling, forced, mask, advance: bool = True) -> tuple[tuple, bool]:
+        """`sample`'s per-row arguments after (logits, state), padded to b rows, and want_top.
+        advance: count this step in each row's PRNG step (the caller does it when it runs)."""
         n = len(slots)
         rows = np.full(b, self.scratch, np.int32)
         rows[:n] = slots
@@ -354,14 +405,12 @@ class ModelRunner:
             temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
             presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
             keys[i], steps[i] = s.key, s.step
-            s.step += 1
+            if advance:
+                s.step += 1
         want_top = any(s.params.logprobs and s.params.top_logprobs > 0 for s in sampling)
-        args = (logits, self.sampler_state, rows, temp, top_k, top_p, presence, frequency, keys, steps, force)
+        args = (rows, temp, top_k, top_p, presence, frequency, keys, steps, force)
         if mask is not None:
             full = np.full((b, mask.shape[1]), -1, np.int32)
             full[:n] = mask
             args += (full,)
-        key = GraphKey("sample", "segment", (b, want_top, mask is not None), program="sample")
-        with jax.profiler.TraceAnnotation("sample", batch=n):
-            out, self.sampler_state = self.registry.call(key, sample, args, dict(want_top=want_top))
-            return jax.tree_util.tree_map(np.asarray, out)
+        return args, want_top

@@ -98,3 +98,37 @@ def test_step_fault_and_host_kv_use_the_per_layer_programs(model_path, monkeypat
         FAULTS.set("step", 0)
     runner.repair()
     assert np.isfinite(np.asarray(runner.decode([0], [3], [12]))).all()
+
+
+def sampled_run(path, monkeypatch, full_step: bool):
+    """Two rows (one greedy, one seeded sampled with top logprobs) through runner.run's decode:
+    the full step with the sampler inlined, or decode then sample."""
+    from pantheon.engine.runner import DecodeWork, StepWork
+    from pantheon.engine.sampler import SamplingParams
+
+    monkeypatch.setenv(FULL_STEP_ENV, "1" if full_step else "0")
+    g = open_gguf(path)
+    spec = spec_from_gguf(g)
+    fam = family_of(spec)
+    runner = ModelRunner(spec, fam.numerics_for(g, spec, "exact"), fam.load_params(g, spec), n_slots=2, ctx=CTX)
+    states = [runner.start_sampling(0, SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)),
+              runner.start_sampling(1, SamplingParams(temperature=0.9, seed=7, logprobs=True, top_logprobs=3,
+                                                      presence_penalty=0.5))]
+    last = [int(np.argmax(np.asarray(runner.prefill(s, p, 0)))) for s, p in enumerate(PROMPTS)]
+    tokens, logprobs = [], []
+    for i in range(STEPS):
+        out = runner.run(StepWork(decode=DecodeWork([0, 1], last, [len(p) + i for p in PROMPTS], states))).decode
+        last = [int(t) for t in out.tokens[:2]]
+        tokens.append(last)
+        logprobs.append(np.concatenate([out.logprob[:2, None], out.top_logprobs[:2, :3]], 1))
+    return np.array(tokens), np.stack(logprobs), runner
+
+
+def test_sampling_inlined_in_the_full_step_gives_the_same_tokens(model_path, monkeypatch):
+    ref_tokens, ref_lp, _ = sampled_run(model_path, monkeypatch, full_step=False)
+    tokens, lp, runner = sampled_run(model_path, monkeypatch, full_step=True)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_allclose(lp, ref_lp, atol=1e-4, rtol=0)
+    progs = {k.program for k in runner.registry._slots if k.kind == "decode"}
+    assert progs == {"step_sample"}  # no separate decode or sample program ran for the decode rows
+    assert not any(k.program == "sample" and k.bucket[0] == 2 for k in runner.registry._slots)
