@@ -384,12 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """What argparse's types cannot check alone, before anything loads (one line, exit code 2)."""
+    sp = parser._subparsers._group_actions[0].choices.get(args.command)  # its prog names the subcommand
     if args.command == "bench" and (args.against or args.url) and not args.concurrency:
-        parser._subparsers._group_actions[0].choices["bench"].error("--against and --url measure over HTTP: "
-                                                                      "give --concurrency too, e.g. 1,4,8")
+        sp.error("--against and --url measure over HTTP: give --concurrency too, e.g. 1,4,8")
     if args.command != "generate":
         return
-    sp = parser._subparsers._group_actions[0].choices["generate"]  # its prog names the subcommand
     if args.tokens is None:
         if args.prompt is None:
             sp.error("give a PROMPT or --tokens")

@@ -39,9 +39,12 @@ def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, style: str
 
 def swiglu(x, w_gate, w_up, w_down, schemes=(NONE, NONE, NONE)) -> jax.Array:
     """Weights are [in, out]; schemes: activation rounding per weight."""
-    gate = linear(x, w_gate, schemes[0])
-    up = linear(x, w_up, schemes[1])
-    return linear(jax.nn.silu(gate) * up, w_down, schemes[2])
+    return swiglu_down(linear(x, w_gate, schemes[0]), linear(x, w_up, schemes[1]), w_down, schemes[2])
+
+
+def swiglu_down(gate, up, w_down, scheme: str = NONE) -> jax.Array:
+    """The SwiGLU after its gate and up projections (computed apart, or as one fused product)."""
+    return linear(jax.nn.silu(gate) * up, w_down, scheme)
 
 
 def linear(x: jax.Array, w: jax.Array, scheme: str = NONE) -> jax.Array:

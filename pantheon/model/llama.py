@@ -22,7 +22,7 @@ import numpy as np
 
 from pantheon.model import kernels as kern
 from pantheon.model.host_attention import host_attend
-from pantheon.model.layers import linear, rms_norm, rope, swiglu
+from pantheon.model.layers import linear, rms_norm, rope, swiglu, swiglu_down
 from pantheon.model.numerics import Numerics, quantize_activations
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache
@@ -66,7 +66,7 @@ def _tail(w, x, attn, spec: ModelSpec, num: Numerics):
     h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
     if "w_gate_up" in w:  # fused at load (weights.FUSED)
         gate, up = jnp.split(linear(h, w["w_gate_up"], num.scheme("w_gate")), 2, -1)
-        return x + spec.residual_scale * linear(jax.nn.silu(gate) * up, w["w_down"], num.scheme("w_down"))
+        return x + spec.residual_scale * swiglu_down(gate, up, w["w_down"], num.scheme("w_down"))
     schemes = tuple(num.scheme(key) for key in ("w_gate", "w_up", "w_down"))
     return x + spec.residual_scale * swiglu(h, w["w_gate"], w["w_up"], w["w_down"], schemes)
 

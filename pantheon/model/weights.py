@@ -61,7 +61,8 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None) ->
     layers = [{k: (a.T if a.ndim == 2 else a) for k, a in _layer_tensors(g, spec, i).items()}
               for i in range(spec.n_layer)]
     if not isinstance(device, Mesh):  # a mesh splits q/k/v and gate/up by heads and columns: kept apart
-        layers = [fuse_projections(w, numerics_for(g, spec)) for w in layers]
+        numerics = numerics_for(g, spec)
+        layers = [fuse_projections(w, numerics) for w in layers]
     # The head is stored [E, V] (x @ W streams ~20% faster than against [V, E] on XLA:CPU); a tied
     # embedding is that same array, looked up by column (llama.embed), so it is held once.
     table = load_tensor(g, "token_embd.weight")

@@ -112,9 +112,9 @@ def _digits(n: int) -> str:
 
 
 def range_regex(bounds: dict, fraction: bool) -> str | None:
-    """A bounded Lark lexeme (two regexes intersected) for the integers (or numbers, when `fraction`) within JSON-schema bounds
-    whose values are whole; None when the range is empty. At most INT_DIGITS integer digits and
-    FRAC_DIGITS fraction digits, no exponent.
+    """A bounded Lark lexeme (two regexes intersected) for the integers (or numbers, when
+    `fraction`) within JSON-schema bounds whose values are whole; None when the range is empty. At
+    most INT_DIGITS integer digits and FRAC_DIGITS fraction digits, no exponent.
 
     A number I.F with F not all zeros lies strictly between I and I+1, so with whole bounds it is
     in range exactly when [I, I+1] is; the negative side is the positive one mirrored."""
@@ -136,7 +136,7 @@ def range_regex(bounds: dict, fraction: bool) -> str | None:
     frac_any, frac_zero = "\\.[0-9]*[1-9][0-9]*", "(\\.0+)?" if fraction else ""
     alts = []
 
-    def side(a: int, b: int, sign: str) -> None:   # magnitudes a..b (whole), then fractional ones
+    def side(a: int, b: int, sign: str) -> None:   # whole magnitudes a..b (numbers: optional ".000")
         if a <= b:
             alts.append(sign + digit_range(a, b) + frac_zero)
 
@@ -293,8 +293,7 @@ class BoundedJson:
         rx = range_regex(bounds, fraction)
         if rx is None:   # an empty range: llguidance says so when the grammar compiles
             return self.delegate(sch)
-        self.n += 1
-        name = f"{self.p.upper()}R{self.n}"
+        name = self._name().upper()   # a terminal: upper case
         self.rules.append(f"{name}: {rx}")
         return name
 
