@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
+
+from pantheon.text.pretokenizers import PRE_TOKENIZERS, PreTokenizerSpec
+from pantheon.text.token_bytes import byte_level_decode, parse_byte_token
+from pantheon.text.token_bytes import clean_spaces as clean_space_passes
 
 log = logging.getLogger(__name__)
 
@@ -94,129 +97,6 @@ _SPECIAL_KEYS = (
 )
 
 _C_ISSPACE = " \t\n\v\f\r"
-
-# ---- llama.cpp pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe) -----------------
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-RE_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-RE_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-RE_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-RE_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-RE_TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
-             r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
-             r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-RE_GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS + "?"
-            r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS + "?"
-            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-RE_BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
-RE_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-RE_BAILINGMOE = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+")
-
-
-@dataclass(frozen=True)
-class PreTokenizerSpec:
-    """llama.cpp's settings for one `tokenizer.ggml.pre` value."""
-    regexes: tuple[str, ...]
-    ignore_merges: bool = False
-    add_bos: bool = False        # default when the GGUF has no tokenizer.ggml.add_bos_token
-    clean_spaces: bool = True    # llama_detokenize's clean-up passes
-    no_bos: bool = False         # chatglm: llama.cpp clears the default BOS id
-
-
-_DEFAULT = PreTokenizerSpec((r"[\p{P}\$\+<=>\^~\|]+", RE_GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
-_STARCODER = PreTokenizerSpec((r"\p{N}", RE_GPT2))
-_STARCODER_NC = PreTokenizerSpec((r"\p{N}", RE_GPT2), clean_spaces=False)
-_GPT2 = PreTokenizerSpec((RE_GPT2,))
-_GPT2_NC = PreTokenizerSpec((RE_GPT2,), clean_spaces=False)
-_LLAMA3 = PreTokenizerSpec((RE_LLAMA3,), ignore_merges=True, add_bos=True)
-_LLAMA3_PLAIN = PreTokenizerSpec((RE_LLAMA3,))
-_QWEN2 = PreTokenizerSpec((RE_QWEN2,), clean_spaces=False)
-_BLOOM = PreTokenizerSpec((RE_BLOOM,))
-
-PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
-    "default": _DEFAULT,
-    # \p{N} isolated, then GPT-2 (LLAMA_VOCAB_PRE_TYPE_STARCODER group)
-    "starcoder": _STARCODER, "refact": _STARCODER, "codeshell": _STARCODER, "exaone": _STARCODER,
-    "minerva-7b": _STARCODER, "mellum2": _STARCODER,
-    "smollm": _STARCODER_NC, "command-r": _STARCODER_NC,
-    # GPT-2 regex only
-    "gpt-2": _GPT2, "gpt2": _GPT2, "phi-2": _GPT2, "jina-es": _GPT2, "jina-de": _GPT2, "gigachat": _GPT2,
-    "jina-v2-es": _GPT2, "jina-v2-de": _GPT2, "a.x-4.0": _GPT2, "mellum": _GPT2, "modern-bert": _GPT2,
-    "exaone4": _GPT2, "mpt": _GPT2, "olmo": _GPT2, "jais": _GPT2,
-    "trillion": _GPT2_NC, "granite-docling": _GPT2_NC,
-    # llama3 regex, ignore_merges, BOS by default
-    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3, "falcon-h1": _LLAMA3,
-    "pixtral": _LLAMA3, "midm-2.0": _LLAMA3, "lfm2": _LLAMA3,
-    "dbrx": _LLAMA3_PLAIN, "smaug-bpe": _LLAMA3_PLAIN,
-    "chatglm-bpe": PreTokenizerSpec((RE_LLAMA3,), no_bos=True),
-    "glm4": PreTokenizerSpec((RE_LLAMA3,), no_bos=True),
-    # qwen2 regex (single digits)
-    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "kormo": _QWEN2, "f2llmv2": _QWEN2, "hunyuan": _QWEN2,
-    "solar-open": _QWEN2, "stablelm2": PreTokenizerSpec((RE_QWEN2,)), "megrez": PreTokenizerSpec((RE_QWEN2,)),
-    "grok-2": _QWEN2,
-    "qwen35": PreTokenizerSpec((RE_QWEN35,), clean_spaces=False),
-    # others with plain regexes
-    "falcon": PreTokenizerSpec((r"[\p{P}\$\+<=>\^~\|`]+", RE_GPT2, r"[0-9][0-9][0-9]")),
-    "deepseek-coder": PreTokenizerSpec(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
-                                       clean_spaces=False),
-    "deepseek-v3": PreTokenizerSpec((r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
-                                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?"
-                                     r"[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-                                    clean_spaces=False),
-    "tekken": PreTokenizerSpec((RE_TEKKEN,), ignore_merges=True, add_bos=True, clean_spaces=False),
-    "gpt-4o": PreTokenizerSpec((RE_GPT4O,), clean_spaces=False),
-    "llama4": PreTokenizerSpec((RE_GPT4O,), clean_spaces=False),
-    "bloom": _BLOOM, "gpt3-finnish": _BLOOM, "poro-chat": PreTokenizerSpec((RE_BLOOM,), clean_spaces=False),
-    "viking": PreTokenizerSpec((RE_BLOOM, r"\p{N}"), clean_spaces=False),
-    "seed-coder": PreTokenizerSpec((RE_SEED_CODER,), clean_spaces=False),
-    "bailingmoe": PreTokenizerSpec((RE_BAILINGMOE,), clean_spaces=False),
-    "bailingmoe2": PreTokenizerSpec((RE_BAILINGMOE,), clean_spaces=False),
-    "llada-moe": PreTokenizerSpec((RE_BAILINGMOE,), clean_spaces=False),
-}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (the form GGUF byte-level vocabs use)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
-
-
-def _byte_level_decode(text: str) -> bytes:
-    # A character outside GPT-2's byte map cannot come from byte-level encoding; llama.cpp emits an
-    # "[UNK_BYTE_0x..]" marker there, we keep the character's UTF-8 instead.
-    out = bytearray()
-    for ch in text:
-        b = _UNICODE_TO_BYTE.get(ch)
-        if b is None:
-            out += ch.encode("utf-8")
-        else:
-            out.append(b)
-    return bytes(out)
-
-
-def _parse_byte_token(text: str) -> int | None:
-    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-        try:
-            return int(text[3:5], 16)
-        except ValueError:
-            return None
-    return None
-
 
 class Tokenizer:
     """A GGUF vocabulary with llama.cpp's tokenize/detokenize semantics (see the module doc)."""
@@ -361,9 +241,9 @@ class Tokenizer:
             if a & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
                 p = t.encode("utf-8")
             elif a & ATTR_NORMAL:
-                p = t.replace("▁", " ").encode("utf-8") if self.is_spm else _byte_level_decode(t)
+                p = t.replace("▁", " ").encode("utf-8") if self.is_spm else byte_level_decode(t)
             elif a & ATTR_BYTE:
-                b = _parse_byte_token(t)
+                b = parse_byte_token(t)
                 p = bytes([b]) if b is not None else b""
             else:  # UNUSED / UNDEFINED: llama.cpp renders nothing
                 p = b""
@@ -574,7 +454,7 @@ class Tokenizer:
             parts[0] = parts[0][1:]
         data = b"".join(parts)
         if self.clean_spaces if clean_spaces is None else clean_spaces:
-            data = _clean_spaces(data)
+            data = clean_space_passes(data)
         return data
 
     def decode(self, ids: Iterable[int], unparse_special: bool = True, remove_special: bool = False,
@@ -588,48 +468,3 @@ class Tokenizer:
         kind = "spm" if self.is_spm else f"bpe/{self.pre}"
         return f"Tokenizer({kind}, n_vocab={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, " \
                f"eog={sorted(self._eog)})"
-
-
-def _clean_spaces(s: bytes) -> bytes:
-    """llama_detokenize's three clean_spaces passes (on bytes, exactly as llama.cpp does them)."""
-    if len(s) < 2:
-        return s
-    # 1: " ?", " !", " .", " ," -> drop the space
-    out = bytearray(s[:1])
-    for i in range(1, len(s)):
-        x = s[i]
-        if s[i - 1] == 0x20 and x in b"?!.,":
-            out.pop()
-        out.append(x)
-    s = bytes(out)
-    # 2: " ' " -> "'" (llama.cpp also overwrites the second space with NUL in its buffer, which the
-    # next step's look-behind then sees; reading from `buf` reproduces that)
-    buf = bytearray(s)
-    out = bytearray(buf[:1])
-    i, n = 1, len(buf)
-    while i < n:
-        x = buf[i]
-        if x == 0x27 and i + 1 < n and buf[i - 1] == 0x20 and buf[i + 1] == 0x20:
-            out.pop()
-            buf[i + 1] = 0
-            out.append(x)
-            i += 2
-            continue
-        out.append(x)
-        i += 1
-    s = bytes(out)
-    # 3: " 's", " 'm", " 're", " 've" -> drop the space
-    out = bytearray(s[:1])
-    n = len(s)
-    for i in range(1, n):
-        x = s[i]
-        if s[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
-            x1 = s[i + 1]
-            if x1 in b"sm":
-                out.pop()
-            elif x1 not in b"td" and i + 2 < n:
-                x2 = s[i + 2]
-                if (x1, x2) in ((0x72, 0x65), (0x76, 0x65)):
-                    out.pop()
-        out.append(x)
-    return bytes(out)

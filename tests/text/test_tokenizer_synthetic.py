@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pantheon.text.detok import IncrementalDetokenizer
-from pantheon.text.tokenizer import Tokenizer, bytes_to_unicode
+from pantheon.text.token_bytes import bytes_to_unicode
+from pantheon.text.tokenizer import Tokenizer
 
 # ---- SentencePiece ---------------------------------------------------------------------------------
 # ids: 0 <unk>, 1 <s>, 2 </s>, 3..258 <0x00>..<0xFF>, then the normal pieces below
