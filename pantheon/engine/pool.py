@@ -16,6 +16,8 @@ from pantheon.engine.dies import visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes
 from pantheon.gguf.reader import GGUFError, open_gguf
+from pantheon.native import build as native_build
+from pantheon.native.qmatmul import supported as qmatmul_supported
 
 log = logging.getLogger(__name__)
 LOADING, READY, UNLOADING, FAILED = "loading", "ready", "unloading", "failed"
@@ -36,10 +38,14 @@ class ModelEntry:
 
 
 def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
-    """f32 weights (every tensor element x 4 bytes) + f32 KV for n_slots + scratch."""
+    """f32 weights (every tensor element x 4 bytes), the quant blocks a dense model's decode reads
+    through the native kernel (weights.decode_matrices), and f32 KV for n_slots + scratch."""
     g = open_gguf(path)
     elements = sum(int(math.prod(t.shape)) for t in g.tensors.values())
     arch = g.architecture
+    blocks = 0
+    if arch != "qwen35moe" and native_build.available():
+        blocks = sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2 and qmatmul_supported(t.ggml_type))
     n_layer = int(g.get(f"{arch}.block_count", 0) or 0)
     kv_heads = g.get(f"{arch}.attention.head_count_kv", g.get(f"{arch}.attention.head_count", 0)) or 0
     kv_heads = kv_heads[0] if isinstance(kv_heads, list) else kv_heads
@@ -48,7 +54,7 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
     n_head = n_head[0] if isinstance(n_head, list) else n_head
     head_dim = int(g.get(f"{arch}.attention.key_length", n_embd // max(int(n_head), 1)))
     kv = 2 * n_layer * (n_slots + 1) * ctx * int(kv_heads) * head_dim * 4
-    return elements * 4 + kv
+    return elements * 4 + blocks + kv
 
 
 class ModelPool:

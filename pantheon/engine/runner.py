@@ -26,6 +26,7 @@ from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
 from pantheon.model.step import full_step
+from pantheon.model.weights import decode_view
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 CHUNK_BUCKETS = (16, 64, 128, 256, 512)
@@ -200,6 +201,10 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, numerics: Numerics, params, n_slots: int, ctx: int,
                  registry: GraphRegistry | None = None, device=None):
         self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
+        # Prefill reads f32 matrices; decode the quant blocks where the native kernel holds them
+        # (weights.decode_view). Both views share every other array.
+        self.prefill_params = {k: v for k, v in params.items() if k != "decode"}
+        self.decode_params = decode_view(params)
         self.registry = registry or GraphRegistry()
         self.family = family_of(spec)
         if isinstance(device, Mesh):  # several dies: KV heads split, sampler state replicated
@@ -240,7 +245,8 @@ class ModelRunner:
                            layer if name not in ("embed", "head") else -1, name)
             return self.registry.call(key, fn, args, static)
 
-        logits, self.cache = self.family.forward(self.params, self.cache, tokens, positions, slots, logit_index,
+        params = self.decode_params if kind == "decode" else self.prefill_params
+        logits, self.cache = self.family.forward(params, self.cache, tokens, positions, slots, logit_index,
                                                  spec=self.spec, numerics=self.numerics, kv_len=kv_len,
                                                  all_logits=all_logits, call=call)
         return logits
@@ -273,7 +279,7 @@ class ModelRunner:
         is retried on the registry's backoff), or for a step an injected `step` fault targets."""
         ids, pos, rows, logit_index = self._decode_inputs(slots, tokens, positions)
         if self._full_step_ok():
-            args = (self.params, self.cache, ids, pos, rows, logit_index)
+            args = (self.decode_params, self.cache, ids, pos, rows, logit_index)
             step = self.registry.executable(GraphKey("decode", "segment", (len(rows),), program="step"), full_step,
                                             args, self._step_static())
             if step is not None:
@@ -306,7 +312,7 @@ class ModelRunner:
         if self._full_step_ok() and d.mask is None:
             ids, pos, rows, logit_index = self._decode_inputs(d.slots, d.tokens, d.positions)
             sargs, want_top = self._sample_args(len(rows), d.slots, d.sampling, d.forced, None, advance=False)
-            args = (self.params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
+            args = (self.decode_params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
             key = GraphKey("decode", "segment", (len(rows), want_top), program="step_sample")
             step = self.registry.executable(key, full_step_and_sample, args, dict(self._step_static(), want_top=want_top))
             if step is not None:

@@ -2,7 +2,7 @@
 
 Every layer program (llama `block`, qwen35moe `attn_block` / `ssm_block`) takes a static argument
 `kernels`: a sorted tuple of (kernel name, mode) pairs, one per pantheon.pallas.dispatch kernel the
-program calls, mode "reference", "interpret" or "pallas". `forward` resolves it with `choose` before
+program calls, mode "reference", "interpret", "pallas" or "native" (a C++ CPU kernel, pantheon/native). `forward` resolves it with `choose` before
 each call (dispatch.kernel_mode: GPU -> pallas, else reference, PANTHEON_KERNELS overrides) and the
 program hands each mode to its dispatch entry point. So:
 
@@ -48,7 +48,8 @@ def attention_supported(name: str, head_dim: int, cache_shape: tuple[int, ...]) 
 
 def choose(wanted: dict[str, bool]) -> Kernels:
     """{kernel name: whether its Pallas kernel runs this program's shapes} -> the static `kernels`
-    argument: dispatch's mode per kernel, "reference" where the kernel cannot run the shapes."""
+    argument: dispatch's mode per kernel, "reference" where the kernel cannot run the shapes (the
+    native decode attention runs a superset of the Pallas kernel's shapes: head dims % 8, f32)."""
     return tuple(sorted((name, dispatch.kernel_mode(name) if ok else "reference") for name, ok in wanted.items()))
 
 

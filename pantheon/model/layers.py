@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from pantheon.model.numerics import NONE, quantize_activations
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
+from pantheon.native.qmatmul import QMatrix, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
 # implementation, beside its Pallas kernels (pantheon/pallas/attention.py).
 from pantheon.pallas.attention import attention_reference as gqa_attention  # noqa: F401
@@ -47,6 +48,8 @@ def swiglu_down(gate, up, w_down, scheme: str = NONE) -> jax.Array:
     return linear(jax.nn.silu(gate) * up, w_down, scheme)
 
 
-def linear(x: jax.Array, w: jax.Array, scheme: str = NONE) -> jax.Array:
-    """y = x W with W stored [in, out]; x is first rounded per `scheme` (see numerics.py)."""
-    return jnp.einsum("...i,io->...o", quantize_activations(x, scheme), w)
+def linear(x: jax.Array, w: jax.Array | QMatrix, scheme: str = NONE) -> jax.Array:
+    """y = x W with W stored [in, out] (or a QMatrix: quant blocks [out, in], read by the native
+    kernel); x is first rounded per `scheme` (see numerics.py)."""
+    x = quantize_activations(x, scheme)
+    return qmatmul(x, w) if isinstance(w, QMatrix) else jnp.einsum("...i,io->...o", x, w)

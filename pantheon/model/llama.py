@@ -23,15 +23,20 @@ import numpy as np
 from pantheon.model import kernels as kern
 from pantheon.model.host_attention import host_attend
 from pantheon.model.layers import linear, rms_norm, rope, swiglu, swiglu_down
-from pantheon.model.numerics import Numerics, quantize_activations
+from pantheon.model.numerics import Numerics
+from pantheon.native.qmatmul import QMatrix, embed_rows
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache
 
 
 @partial(jax.jit, static_argnames=("spec", "by_column"))
 def embed(table, tokens, *, spec: ModelSpec, by_column: bool = False):
-    """tokens int32 [B, T] -> x [B, T, E]. table: [V, E], or the tied head [E, V] with by_column."""
-    x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1) if by_column else table[tokens]
+    """tokens int32 [B, T] -> x [B, T, E]. table: [V, E], or the tied head [E, V] with by_column
+    (or, quantized, a QMatrix [V, E] either way)."""
+    if isinstance(table, QMatrix):
+        x = embed_rows(table, tokens)
+    else:
+        x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1) if by_column else table[tokens]
     return x * spec.embed_scale
 
 
@@ -101,12 +106,12 @@ def attn_tail(w, x, attn, *, spec: ModelSpec, numerics: Numerics):
 
 @partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
 def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numerics, all_logits: bool):
-    """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits). table: [E, V]."""
+    """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits). table: [E, V]
+    (or a QMatrix [V, E])."""
     if not all_logits:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = rms_norm(x, output_norm, spec.rms_eps)
-    x = quantize_activations(x, numerics.scheme("head"))
-    return (jnp.einsum("...i,iv->...v", x, table) / spec.logit_scale).astype(jnp.float32)
+    return (linear(x, table, numerics.scheme("head")) / spec.logit_scale).astype(jnp.float32)
 
 
 def block_kernels(spec: ModelSpec, cache: KVCache, t: int) -> kern.Kernels:

@@ -1,9 +1,12 @@
 """GGUF tensors -> a params pytree of device arrays.
 
-CPU path: every matrix is dequantized to float32 at load. XLA:CPU decode is bandwidth-bound and no
-int8/bf16 formulation streams faster there (research/jax_feasibility.md §4), so f32 is both the
-fastest and the most exact choice. Layer matrices are stored [in, out] (x @ W), which XLA:CPU's
-GEMV streams faster than x @ W^T; `params["layers"]` is a list with one dict per layer."""
+CPU path: every matrix is dequantized to float32 at load, for prefill: XLA's f32 GEMM is the fastest
+compute-bound product there. Layer matrices are stored [in, out] (x @ W), which XLA:CPU's GEMV
+streams faster than x @ W^T; `params["layers"]` is a list with one dict per layer. Decode is
+bandwidth-bound, and no int8/bf16 formulation of XLA's streams faster than f32
+(research/jax_feasibility.md §4), so where the native kernel is built (pantheon/native/qmatmul.py)
+the matrices of Q4_0/Q4_1/Q8_0 types are also kept in their blocks, `params["decode"]`, and the
+decode programs read those (`decode_view`)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from pantheon.gguf.reader import GGUFFile
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pantheon.model.numerics import Numerics, scheme_for
+from pantheon.native import build as native_build
+from pantheon.native import qmatmul as native
 from pantheon.model.sharding import check_divisible, layer_spec
 from pantheon.model.spec import ModelSpec
 
@@ -32,19 +37,46 @@ def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
 
-def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int) -> dict[str, np.ndarray]:
+def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
+    """A matrix [out, in] as its raw quant blocks (host uint8 [out, row bytes]), where the native
+    kernel reads its type (pantheon/native/qmatmul.py); else None."""
+    info = g.tensor_info(name)
+    if len(info.shape) != 2 or not native.supported(info.ggml_type):
+        return None
+    blocks = np.asarray(g.tensor_data(name)).reshape(info.shape[0], -1)
+    return native.QMatrix(blocks, int(info.ggml_type), int(info.shape[1]))
+
+
+def _split_rows(a, sections: list[int]) -> list:
+    """np.split along the output rows, for an f32 matrix or a QMatrix (None stays None)."""
+    if a is None:
+        return [None] * (len(sections) + 1)
+    if isinstance(a, native.QMatrix):
+        return [native.QMatrix(b, a.qtype, a.n_in) for b in np.split(a.blocks, sections)]
+    return np.split(a, sections)
+
+
+def _matrices(g: GGUFFile, spec: ModelSpec, i: int, load) -> dict:
+    """One layer's matrices [out, in] as `load(g, name)` gives them (rows split where the GGUF
+    fuses them)."""
     p = f"blk.{i}."
-    t = {"attn_norm": load_tensor(g, p + "attn_norm.weight"), "ffn_norm": load_tensor(g, p + "ffn_norm.weight"),
-         "wo": load_tensor(g, p + "attn_output.weight"), "w_down": load_tensor(g, p + "ffn_down.weight")}
+    t = {"wo": load(g, p + "attn_output.weight"), "w_down": load(g, p + "ffn_down.weight")}
     if spec.arch == "phi3":  # fused projections: split them so one block function serves all
-        qkv = load_tensor(g, p + "attn_qkv.weight")
+        qkv, up = load(g, p + "attn_qkv.weight"), load(g, p + "ffn_up.weight")
         q_rows = spec.n_head * spec.head_dim
-        t["wq"], t["wk"], t["wv"] = np.split(qkv, [q_rows, q_rows + spec.kv_dim])
-        t["w_gate"], t["w_up"] = np.split(load_tensor(g, p + "ffn_up.weight"), 2)
+        t["wq"], t["wk"], t["wv"] = _split_rows(qkv, [q_rows, q_rows + spec.kv_dim])
+        t["w_gate"], t["w_up"] = _split_rows(up, [up.shape[0] // 2] if up is not None else [0])
     else:
         for key, name in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"),
                           ("w_gate", "ffn_gate"), ("w_up", "ffn_up")):
-            t[key] = load_tensor(g, p + name + ".weight")
+            t[key] = load(g, p + name + ".weight")
+    return t
+
+
+def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int) -> dict[str, np.ndarray]:
+    p = f"blk.{i}."
+    t = {"attn_norm": load_tensor(g, p + "attn_norm.weight"), "ffn_norm": load_tensor(g, p + "ffn_norm.weight"),
+         **_matrices(g, spec, i, load_tensor)}
     if spec.qk_norm:
         t["q_norm"] = load_tensor(g, p + "attn_q_norm.weight")
         t["k_norm"] = load_tensor(g, p + "attn_k_norm.weight")
@@ -72,7 +104,10 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None) ->
         params["embed"] = table
     host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)
     if not isinstance(device, Mesh):
-        return jax.tree_util.tree_map(lambda a: jax.device_put(host(a), device), params)
+        placed = jax.tree_util.tree_map(lambda a: jax.device_put(host(a), device), params)
+        if dtype == jnp.float32 and native_build.available():
+            placed["decode"] = jax.device_put(decode_matrices(g, spec, [set(w) for w in layers]), device)
+        return placed
     check_divisible(spec, device.size)
     placed = lambda a, pspec: jax.device_put(host(a), NamedSharding(device, pspec))
     out = {k: placed(v, PartitionSpec()) for k, v in params.items() if k != "layers"}
@@ -94,6 +129,39 @@ def fuse_projections(w: dict, numerics: Numerics) -> dict:
         if len({numerics.scheme(p) for p in parts}) == 1:
             w[fused] = np.concatenate([w.pop(p) for p in parts], axis=1)
     return w
+
+
+def decode_matrices(g: GGUFFile, spec: ModelSpec, layer_keys: list[set[str]]) -> dict:
+    """The decode step's matrices in their quant blocks (native.QMatrix, host arrays): decode reads
+    every weight once per token, and the blocks are 4-6x fewer bytes than f32 (SmolLM2 Q4_1: 85 MB
+    against 538 MB). Only matrices the kernel reads; a fused group (FUSED) only where its parts
+    share one type. `layer_keys`: the keys of each loaded f32 layer (which groups were fused)."""
+    layers = []
+    for i, keys in enumerate(layer_keys):
+        raw = _matrices(g, spec, i, load_blocks)
+        q = {}
+        for key in keys:
+            parts = [raw.get(p) for p in FUSED.get(key, (key,))]
+            if all(m is not None for m in parts) and len({(m.qtype, m.n_in) for m in parts}) == 1:
+                q[key] = native.QMatrix(np.ascontiguousarray(np.concatenate([m.blocks for m in parts])),
+                                        parts[0].qtype, parts[0].n_in)
+        layers.append(q)
+    head = load_blocks(g, "token_embd.weight" if spec.tied_embeddings else "output.weight")
+    return {"layers": layers} if head is None else {"layers": layers, "head": head}
+
+
+def decode_view(params: dict) -> dict:
+    """The params the decode programs read: the quantized matrices of params["decode"] in place
+    of their f32 copies (prefill keeps the f32 ones: its products are compute-bound, where XLA's
+    f32 GEMM is faster), everything else shared."""
+    q = params.get("decode")
+    base = {k: v for k, v in params.items() if k != "decode"}
+    if q is None:
+        return base
+    out = dict(base, layers=[dict(w, **qw) for w, qw in zip(base["layers"], q["layers"])])
+    if "head" in q:
+        out["head"] = q["head"]
+    return out
 
 
 def params_nbytes(params) -> int:

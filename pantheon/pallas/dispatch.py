@@ -4,11 +4,14 @@ plain-jnp reference.
 One rule for every kernel, so the serve path, the tests and the profile script agree:
 
 * GPU backends (``cuda``, ``rocm``, ``gpu``): ``"pallas"`` (Triton lowering).
-* everything else (the CPU serve path, TPU): ``"reference"``. Interpreted Pallas is a correctness
-  tool, 1-11x slower than the jnp reference on CPU, so it is never chosen by default.
-* ``PANTHEON_KERNELS`` overrides: ``pallas``, ``interpret`` or ``reference`` for every kernel, or a
-  comma list ``attention_decode=reference,moe_q3k=interpret`` (a bare mode in the list sets the
-  default for the rest). ``pallas`` on a backend that cannot lower it is an error, not a silent
+* the CPU: ``"native"`` for ``attention_decode`` where Pantheon's native CPU kernels are built
+  (pantheon/native/build.py: x86 AVX2 and a C++ compiler), else ``"reference"``.
+* everything else (TPU): ``"reference"``. Interpreted Pallas is a correctness tool, 1-11x slower
+  than the jnp reference on CPU, so it is never chosen by default.
+* ``PANTHEON_KERNELS`` overrides: ``pallas``, ``interpret``, ``reference`` or ``native`` for every
+  kernel, or a comma list ``attention_decode=reference,moe_q3k=interpret`` (a bare mode in the list
+  sets the default for the rest; a bare ``native`` applies to the kernels that have one). ``pallas``
+  on a backend that cannot lower it, or ``native`` where it is not built, is an error, not a silent
   fallback.
 
 ``kernel_choices()`` reports the current choice per kernel name, for the residency counters.
@@ -24,7 +27,8 @@ import os
 import jax
 
 KERNELS = ("attention_prefill", "attention_decode", "moe_q3k", "deltanet")
-MODES = ("pallas", "interpret", "reference")
+MODES = ("pallas", "interpret", "reference", "native")
+NATIVE_KERNELS = ("attention_decode",)  # those with a native CPU implementation (pantheon/native)
 ENV = "PANTHEON_KERNELS"
 GPU_BACKENDS = frozenset({"cuda", "rocm", "gpu"})
 
@@ -50,8 +54,16 @@ def _parse(value: str) -> tuple[str | None, dict[str, str]]:
     return default, per
 
 
-def default_mode(backend: str) -> str:
-    return "pallas" if backend in GPU_BACKENDS else "reference"
+def default_mode(backend: str, name: str | None = None) -> str:
+    if backend in GPU_BACKENDS:
+        return "pallas"
+    return "native" if backend == "cpu" and name in NATIVE_KERNELS and _native_built() else "reference"
+
+
+def _native_built() -> bool:
+    from pantheon.native import build
+
+    return build.available()
 
 
 def kernel_mode(name: str, backend: str | None = None, env: str | None = None) -> str:
@@ -64,7 +76,17 @@ def kernel_mode(name: str, backend: str | None = None, env: str | None = None) -
     backend = backend or jax.default_backend()
     env = os.environ.get(ENV, "") if env is None else env
     default, per = _parse(env)
-    mode = per.get(name, default) or default_mode(backend)
+    mode = per.get(name) or default or default_mode(backend, name)
+    if mode == "native" and name not in per and name not in NATIVE_KERNELS:
+        mode = default_mode(backend, name)  # a bare `native` covers the kernels that have one
+    if mode == "native":
+        if name not in NATIVE_KERNELS:
+            raise ValueError(f"{ENV}: {name} has no native kernel (native: {', '.join(NATIVE_KERNELS)})")
+        if backend != "cpu" or not _native_built():
+            from pantheon.native import build
+
+            raise ValueError(f"{ENV} asks for the native {name} kernel but it is not available here "
+                             f"({build.unavailable_reason() if backend == 'cpu' else 'backend ' + repr(backend)})")
     if mode == "pallas" and backend not in GPU_BACKENDS:
         raise ValueError(f"{ENV} asks for compiled Pallas kernels ({name}) but the backend is {backend!r}; "
                          f"Pallas kernels here lower only for GPU (use 'interpret' or 'reference')")
@@ -132,7 +154,8 @@ def attention_prefill(q, k, v, q_pos, backend: str | None = None, *, mode: str |
 def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = None, *,
                      kv_len: int | None = None, mode: str | None = None):
     """One query per row against its cache slot: q [B, H, D], caches [N_slots, C, K, D], slots and
-    lengths int [B] -> [B, H, D] (decode_attention or decode_attention_reference).
+    lengths int [B] -> [B, H, D] (decode_attention, decode_attention_reference, or on the CPU the
+    native kernel, pantheon.native.attention).
 
     kv_len: optional static bound, every length <= kv_len. The reference then gathers only the
     first kv_len positions of each row's slot (as the model did before the kernels); the kernel
@@ -140,6 +163,10 @@ def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = 
     from pantheon.pallas import attention
 
     mode = _mode("attention_decode", backend, mode)
+    if mode == "native":
+        from pantheon.native.attention import attention_decode as native_decode
+
+        return native_decode(q, k_cache, v_cache, slots, lengths)
     if mode == "reference":
         if kv_len is not None and kv_len < k_cache.shape[1]:
             k_cache, v_cache = k_cache[:, :kv_len], v_cache[:, :kv_len]

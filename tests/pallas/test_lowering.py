@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from pantheon.native import build as native_build
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import decode_attention, flash_attention
 from pantheon.pallas.deltanet import gated_delta_rule, gated_delta_rule_step
@@ -146,7 +147,9 @@ def test_gated_delta_rule_step_lowers_in_place():
 # ---- dispatch ----------------------------------------------------------------------------------------
 def test_dispatch_defaults():
     for name in dispatch.KERNELS:
-        assert dispatch.kernel_mode(name, "cpu", env="") == "reference"
+        # the CPU's decode attention is the native kernel (tests/native) where it is built
+        assert dispatch.kernel_mode(name, "cpu", env="") == ("native" if name in dispatch.NATIVE_KERNELS
+                                                             and native_build.available() else "reference")
         assert dispatch.kernel_mode(name, "cuda", env="") == "pallas"
         assert dispatch.kernel_mode(name, "gpu", env="") == "pallas"
         assert dispatch.kernel_mode(name, "tpu", env="") == "reference"

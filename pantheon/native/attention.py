@@ -1,0 +1,21 @@
+"""Decode attention read in place from the slot cache, on the CPU (attention.cc, built by build.py).
+
+`attention_decode` is the custom call; its reference is the jnp path the CPU otherwise runs,
+`pantheon.pallas.attention.cached_attention_blocked` (attention_reference's math), which the tests
+compare it with on fresh random caches."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+TARGET = "pantheon_attention_decode"
+
+
+def attention_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array,
+                     lens: jax.Array) -> jax.Array:
+    """q [B, H, D]; caches [N_slots, C, K, D] f32; slots, lens int32 [B]: row b attends to keys
+    0..lens[b]-1 of slot slots[b] (none: zeros). Returns [B, H, D] in q's dtype."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), k_cache, v_cache, slots.astype(jnp.int32), lens.astype(jnp.int32))
+    return out.astype(q.dtype)

@@ -1,0 +1,122 @@
+"""Build and register Pantheon's native CPU kernels (qmatmul.cc, attention.cc) with XLA.
+
+XLA:CPU lacks two things decode needs: a matmul that reads quantized weights, and attention that
+reads a slot's cache in place at memory speed. Both are C++ here, called from inside the compiled
+programs as XLA FFI custom calls (jax.ffi), each beside its jnp reference (qmatmul.py,
+attention.py). They use XLA's intra-op thread pool, so they add no threads of their own.
+
+The shared library is compiled on first use with the system C++ compiler for this CPU
+(-march=native) and cached under $PANTHEON_HOME/native/ (~/.cache/pantheon/native/), keyed by the sources, the compiler,
+jaxlib and the CPU's flags. The kernels need x86 AVX2 with FMA and F16C (every x86 server CPU since
+2013). Without a compiler, on other CPUs, or with PANTHEON_NATIVE=0, `available()` is False, with
+the reason in `unavailable_reason()`, and the models run their jnp paths."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+
+NATIVE_ENV = "PANTHEON_NATIVE"
+HERE = Path(__file__).parent
+SOURCES = ("qmatmul.cc", "attention.cc")
+HEADERS = ("common.h",)
+# FFI target name -> exported handler symbol
+TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_attention_decode": "PantheonAttentionDecode"}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cache_dir() -> Path:
+    from pantheon.config import pantheon_home
+
+    return pantheon_home() / "native"
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered with XLA (builds them on the first call)."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+        return _state["ok"]
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _state.get("reason")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cxx: str) -> Path:
+    import jaxlib
+
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update((HERE / name).read_bytes())
+    # -march=native code must not be reused on a CPU with fewer instructions (a shared cache dir)
+    for part in (version, jaxlib.__version__, platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    out = cache_dir() / f"pantheon-native-{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        # -ffp-contract=off: every fused multiply-add is an explicit one (common.h), so a row's
+        # arithmetic cannot depend on how the compiler scheduled its tile.
+        cmd = [cxx, "-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC",
+               "-isystem", jax.ffi.include_dir(), *(str(HERE / s) for s in SOURCES), "-o", str(built)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(built, out)  # atomic: concurrent builders leave one complete file
+    return out
+
+
+def _load() -> bool:
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        _state["reason"] = f"{NATIVE_ENV}=0"
+        return False
+    if jax.default_backend() != "cpu":
+        _state["reason"] = f"backend {jax.default_backend()} (the native kernels are for the CPU)"
+        return False
+    cxx = _compiler()
+    if cxx is None:
+        _state["reason"] = "no C++ compiler (install g++ or set CXX)"
+    elif platform.machine() not in ("x86_64", "AMD64") or "avx2" not in _cpu_flags():
+        _state["reason"] = "the CPU has no AVX2"
+    else:
+        try:
+            lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+            for target, symbol in TARGETS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            return True
+        except Exception as e:  # noqa: BLE001 - any build or load failure means: the jnp paths
+            _state["reason"] = f"build failed: {e}"
+    log.warning("native CPU kernels unavailable (%s): decode runs the jnp paths", _state["reason"])
+    return False

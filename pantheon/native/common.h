@@ -1,0 +1,68 @@
+// Shared by Pantheon's native CPU kernels (one shared library; see build.py): 8-wide vectors, and
+// a parallel loop on XLA's intra-op thread pool.
+#pragma once
+
+#include <immintrin.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "Pantheon's native kernels are written for x86 AVX2 (with FMA and F16C); elsewhere the jnp paths run"
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pantheon {
+
+namespace ffi = xla::ffi;
+
+// 8-wide vectors: AVX2, which every x86 server of the last decade has (AVX-512 ones included; a
+// 16-wide type is 10x slower on AVX2, where GCC splits it badly).
+typedef float v8f __attribute__((vector_size(32)));
+
+// a * b + c. Built with -ffp-contract=off, so the compiler never fuses on its own: every fused
+// multiply-add is this one, and a row's arithmetic is the same in every tile shape and batch.
+inline v8f fma8(v8f a, v8f b, v8f c) { return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(v8f v) {  // a fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7))
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// Items [0, n) in chunks of `chunk`, on this thread and up to `threads - 1` pool threads. Helpers
+// take chunks from one counter; one that starts after the last chunk is taken does nothing, and
+// only `work` (shared) outlives this call, so `body` may reference the caller's stack.
+inline void parallel_for(ffi::ThreadPool& pool, int64_t threads, int64_t n, int64_t chunk,
+                         const std::function<void(int64_t, int64_t)>& body) {
+  struct Work {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t n = 0, chunk = 1, chunks = 0;
+    const std::function<void(int64_t, int64_t)>* body = nullptr;
+    void run() {
+      for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+        const int64_t i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
+        (*body)(i0, i1);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  auto work = std::make_shared<Work>();
+  work->n = n;
+  work->chunk = chunk > 0 ? chunk : 1;
+  work->chunks = (n + work->chunk - 1) / work->chunk;
+  work->body = &body;
+  for (int64_t i = 1; i < threads && i < work->chunks; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+}
+
+inline int64_t pool_threads(ffi::ThreadPool& pool) { return pool.num_threads() > 0 ? pool.num_threads() : 1; }
+
+}  // namespace pantheon

@@ -1,0 +1,148 @@
+"""The native CPU kernels (pantheon/native) against their jnp references, on fresh random inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from gguf.constants import GGMLQuantizationType as Q
+
+from pantheon.gguf.quants import dequantize_np, quantize_np
+from pantheon.native import build
+from pantheon.native.attention import attention_decode
+from pantheon.native.qmatmul import QMatrix, embed_rows, qmatmul, qmatmul_reference
+from pantheon.pallas import dispatch
+from pantheon.pallas.attention import cached_attention_blocked
+
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    # CI and the serve machines are x86 with AVX2 and g++: the kernels must build there.
+    assert build.available(), build.unavailable_reason()
+
+
+def random_matrix(rng, n_out: int, n_in: int, qtype) -> tuple[QMatrix, np.ndarray]:
+    values = (rng.standard_normal((n_out, n_in)) * rng.uniform(0.01, 2.0)).astype(np.float32)
+    blocks = quantize_np(values, qtype).reshape(n_out, -1)
+    return QMatrix(jnp.asarray(blocks), int(qtype), n_in), dequantize_np(blocks, qtype).reshape(n_out, n_in)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_qmatmul_matches_the_reference(qtype):
+    rng = np.random.default_rng()
+    for n_out, n_in, m in ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)):
+        w, dense = random_matrix(rng, n_out, n_in, qtype)
+        x = jnp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
+        got = np.asarray(jax.jit(qmatmul)(x, w))
+        ref = np.asarray(jax.jit(qmatmul_reference)(x, w))
+        exact = np.asarray(x, np.float64) @ dense.T.astype(np.float64)
+        scale = np.abs(exact).max()
+        assert np.abs(got - exact).max() <= 2e-6 * scale * np.sqrt(n_in / 32), (n_out, n_in, m)
+        assert np.abs(ref - exact).max() <= 2e-6 * scale * np.sqrt(n_in / 32)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_qmatmul_row_does_not_depend_on_its_batch(qtype):
+    """Rows go through 4-row tiles or alone (qmatmul.cc); a row's result must be bit-identical."""
+    rng = np.random.default_rng()
+    w, _ = random_matrix(rng, 300, 640, qtype)
+    x = jnp.asarray(rng.standard_normal((11, 640)).astype(np.float32))
+    full = np.asarray(jax.jit(qmatmul)(x, w))
+    for m in (1, 2, 4, 5, 8):
+        part = np.asarray(jax.jit(qmatmul)(x[:m], w))
+        np.testing.assert_array_equal(part, full[:m])
+    np.testing.assert_array_equal(np.asarray(jax.jit(qmatmul)(x[7:8], w))[0], full[7])
+
+
+def test_qmatmul_keeps_leading_axes_and_embeds_rows():
+    rng = np.random.default_rng()
+    w, dense = random_matrix(rng, 70, 64, Q.Q8_0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)).astype(np.float32))
+    assert qmatmul(x, w).shape == (2, 3, 70)
+    ids = jnp.asarray([[5, 69], [0, 5]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(embed_rows(w, ids)), dense[np.asarray(ids)])
+
+
+def test_attention_decode_matches_the_blocked_reference():
+    rng = np.random.default_rng()
+    # the last case's rows reach past 1024 keys: chunks attended apart, then merged (attention.cc)
+    for b, h, k, d, n_slots, c in ((1, 9, 3, 64, 4, 300), (5, 8, 2, 128, 6, 700), (3, 4, 4, 16, 3, 17),
+                                   (3, 6, 3, 32, 3, 2600)):
+        q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
+        kc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)) * 2, jnp.float32)
+        vc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)), jnp.float32)
+        slots = jnp.asarray(rng.integers(0, n_slots, b), jnp.int32)
+        pos = rng.integers(0, c, b)
+        pos[0] = -1 if b > 1 else pos[0]  # a row that sees no key: zeros
+        pos[-1] = c - 1 if c > 2048 else pos[-1]
+        pos = jnp.asarray(pos, jnp.int32)
+        got = np.asarray(jax.jit(attention_decode)(q, kc, vc, slots, pos + 1))
+        ref = np.asarray(jax.jit(cached_attention_blocked)(q[:, None], kc, vc, slots, pos[:, None])[:, 0])
+        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
+        one = np.asarray(jax.jit(attention_decode)(q[-1:], kc, vc, slots[-1:], pos[-1:] + 1))
+        np.testing.assert_array_equal(one[0], got[-1])  # independent of its batch-mates
+
+
+def test_attention_decode_refuses_out_of_range_slots():
+    q = jnp.zeros((1, 2, 8))
+    kc = jnp.zeros((2, 4, 1, 8))
+    with pytest.raises(Exception, match="out of range"):
+        jax.block_until_ready(attention_decode(q, kc, kc, jnp.asarray([2], jnp.int32), jnp.asarray([1], jnp.int32)))
+
+
+def test_decode_attention_defaults_to_native_on_the_cpu():
+    assert dispatch.kernel_mode("attention_decode", "cpu", env="") == "native"
+    assert dispatch.kernel_mode("attention_prefill", "cpu", env="") == "reference"
+    assert dispatch.kernel_mode("attention_decode", "cpu", env="native") == "native"
+    assert dispatch.kernel_mode("moe_q3k", "cpu", env="native") == "reference"  # a bare native: where one exists
+    assert dispatch.kernel_mode("attention_decode", "cuda", env="") == "pallas"
+    with pytest.raises(ValueError, match="no native kernel"):
+        dispatch.kernel_mode("deltanet", "cpu", env="deltanet=native")
+    with pytest.raises(ValueError, match="not available"):
+        dispatch.kernel_mode("attention_decode", "cuda", env="native")
+
+
+def test_disabled_native_kernels_say_why(monkeypatch):
+    monkeypatch.setenv(build.NATIVE_ENV, "0")
+    monkeypatch.setattr(build, "_state", {})
+    assert not build.available()
+    assert build.unavailable_reason() == f"{build.NATIVE_ENV}=0"
+    assert dispatch.kernel_mode("attention_decode", "cpu", env="") == "reference"
+    with pytest.raises(ValueError, match="PANTHEON_NATIVE=0"):
+        dispatch.kernel_mode("attention_decode", "cpu", env="native")
+
+
+@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0), ids=lambda t: t.name)
+def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_type):
+    """The runner's decode programs read the quant blocks (weights.decode_view); prefill and a
+    runner without them read f32. Same logits up to summation order, same greedy tokens."""
+    from pantheon.engine.runner import ModelRunner
+    from pantheon.gguf import open_gguf
+    from pantheon.model.family import family_of
+    from pantheon.model.spec import spec_from_gguf
+    from tests.fixtures.tiny_models import write_tiny_llama
+
+    g = open_gguf(write_tiny_llama(tmp_path / "m.gguf", weight_type=weight_type, embd_type=Q.Q8_0, n_layer=2))
+    spec = spec_from_gguf(g)
+    fam = family_of(spec)
+    params = fam.load_params(g, spec)
+    assert isinstance(params["decode"]["head"], QMatrix)
+    assert all(isinstance(m, QMatrix) for layer in params["decode"]["layers"] for m in layer.values())
+    runs = []
+    for p in (params, {k: v for k, v in params.items() if k != "decode"}):
+        runner = ModelRunner(spec, fam.numerics_for(g, spec, "exact"), p, n_slots=2, ctx=32)
+        prompts = ([1, 72, 101, 108, 108, 111], [1, 200, 31, 7])
+        last = [int(np.argmax(np.asarray(runner.prefill(s, t, 0)))) for s, t in enumerate(prompts)]
+        out = []
+        for i in range(4):
+            logits = np.asarray(runner.decode([0, 1], last, [len(t) + i for t in prompts]))[:2]
+            out.append(logits)
+            last = [int(t) for t in logits.argmax(-1)]
+        runs.append(np.stack(out))
+    quant, dense = runs
+    assert dense.std() > 0.1
+    np.testing.assert_allclose(quant, dense, atol=1e-4, rtol=0)
+    assert (quant.argmax(-1) == dense.argmax(-1)).all()
