@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from pantheon.config import ENV_DIE_RESERVE
-from pantheon.engine.memory import meminfo_bytes
+from pantheon.engine.memory import meminfo_bytes, probe_device_memory
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class Die:
     platform: str
     memory_bytes: int
     device_id: int
+    memory_source: str = "device"  # or why host RAM stands in (memory.probe_device_memory)
 
 
 def visible_dies() -> list[Die]:
@@ -26,13 +27,9 @@ def visible_dies() -> list[Die]:
     host = meminfo_bytes("MemTotal") // max(len(devices), 1)
     dies = []
     for i, d in enumerate(devices):
-        mem = host
-        try:
-            stats = d.memory_stats() or {}
-            mem = int(stats.get("bytes_limit", mem))
-        except Exception:  # noqa: BLE001 - CPU devices may not report stats
-            pass
-        dies.append(Die(i, int(getattr(d, "local_hardware_id", None) or i), d.platform, mem, d.id))
+        probe = probe_device_memory(d)
+        dies.append(Die(i, int(getattr(d, "local_hardware_id", None) or i), d.platform, probe.limit or host, d.id,
+                        probe.source))
     return dies
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 
 from pantheon.engine.faults import FAULTS
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def meminfo_bytes(key: str, default: int = 0) -> int:
@@ -19,6 +23,33 @@ def meminfo_bytes(key: str, default: int = 0) -> int:
     except OSError:
         pass
     return default
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """What a device's allocator says: `limit`/`used` bytes, or None with `source` saying why the
+    host's RAM stands in (a CPU device has no allocator statistics; a failed probe is not silent)."""
+
+    limit: int | None
+    used: int | None
+    source: str  # "device", "host (cpu)", or "host (probe failed: ...)"
+
+
+def probe_device_memory(device) -> MemoryProbe:
+    if device.platform == "cpu":
+        return MemoryProbe(None, None, "host (cpu)")
+    try:
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            raise ValueError("memory_stats() reports no bytes_limit")
+        return MemoryProbe(int(limit), int(stats.get("bytes_in_use", 0)), "device")
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed: the reason is in `source`
+        reason = f"{type(e).__name__}: {e}"
+        if reason not in _warned:  # once per distinct failure, not on every ladder reading
+            _warned.add(reason)
+            log.warning("memory probe of %s failed (%s): host RAM stands in for its budget", device, reason)
+        return MemoryProbe(None, None, f"host (probe failed: {reason})")
 
 
 # ---- the memory ladder -------------------------------------------------------------------------
@@ -69,13 +100,9 @@ class MemoryLadder:
         if total and avail:
             fractions.append(100.0 * avail / total)
         for d in self.devices:
-            try:
-                stats = d.memory_stats() or {}
-                limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use")
-                if limit:
-                    fractions.append(100.0 * (limit - used) / limit)
-            except Exception:  # noqa: BLE001 - CPU devices report nothing
-                pass
+            probe = probe_device_memory(d)
+            if probe.limit:
+                fractions.append(100.0 * (probe.limit - probe.used) / probe.limit)
         free = min(fractions, default=100.0)
         if free < self.config.critical_pct:
             return CRITICAL
