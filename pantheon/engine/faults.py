@@ -1,7 +1,11 @@
-"""Fault injection for tests: make a compile fail, a KV allocation fail, a device step fail, or
-memory pressure rise.
+"""Fault injection for tests: make a compile fail, a kernel's lowering fail, a KV allocation fail,
+a device step fail, or memory pressure rise.
 
-Off unless asked: `PANTHEON_FAULTS="compile=2,kv_alloc=1,step=1,memory=critical"` at start-up, or
+`compile` fails in the graph registry, before anything is traced; `lowering` fails inside the trace,
+where a Pallas or native kernel is lowered (pallas/dispatch.py), as a real Triton or XLA failure
+would: the registry then falls back to the program with its kernels on the jnp reference.
+
+Off unless asked: `PANTHEON_FAULTS="compile=2,lowering=1,kv_alloc=1,step=1,memory=critical"` at start-up, or
 `POST /admin/test/faults` with the same keys when the server runs with `PANTHEON_TEST_HOOKS=1`.
 Counted faults fire that many times and then stop, so every fallback can be seen failing and
 then healing."""
@@ -13,7 +17,7 @@ import threading
 
 ENV_FAULTS = "PANTHEON_FAULTS"
 ENV_TEST_HOOKS = "PANTHEON_TEST_HOOKS"
-COUNTED = ("compile", "kv_alloc", "step")
+COUNTED = ("compile", "lowering", "kv_alloc", "step")
 MEMORY_LEVELS = ("ok", "pressure", "critical")
 
 

@@ -4,9 +4,9 @@ Every compiled program the runner calls goes through `call`, keyed by (step kind
 shape bucket): a *slot* per layer and bucket, as the contract's `graphs` counters count them. The
 executable behind a slot is compiled once (AOT: `jit.lower(...).compile()`) and shared by every
 layer that runs the same program at the same shapes. `jax.stages.Compiled` is shape-strict, so a
-wrong bucket is a TypeError, never a silent retrace. A failed compile falls back to the plain
-jitted function (correct output, no AOT executable), is retried on a bounded backoff, and gives
-up after `max_retries`. Classes (the contract's names): batched_attn / batched_ssm (multi-user
+wrong bucket is a TypeError, never a silent retrace. A failed compile falls back to the program
+traced with its kernels on the jnp reference (correct output, no AOT executable), is retried on a
+bounded backoff, and gives up after `max_retries`. Classes (the contract's names): batched_attn / batched_ssm (multi-user
 decode layers), single_ssm (one-row DeltaNet decode), segment (embed, head, sampler); prefill
 layers are counted as `prefill`."""
 
@@ -31,6 +31,13 @@ def _abstract(x):
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
     return x
+
+
+def reference_kernels(static: dict) -> dict:
+    """`static` with every kernel of its `kernels` argument (model/kernels.py) on the reference."""
+    if "kernels" not in static:
+        return static
+    return dict(static, kernels=tuple((name, "reference") for name, _ in static["kernels"]))
 
 
 @dataclass(frozen=True)
@@ -70,10 +77,13 @@ class GraphRegistry:
     capture_failures: int = 0
 
     def call(self, key: GraphKey, fn: Callable, args: tuple, static: dict | None = None):
-        """Run `fn(*args, **static)` through the compiled executable of `key`'s program."""
+        """Run `fn(*args, **static)` through the compiled executable of `key`'s program. Without
+        one (its compile failed; retried on the backoff) the program runs traced again with its
+        kernels on the jnp reference — the direct kernel body — so a kernel that cannot be lowered
+        does not fail the same way twice."""
         static = static or {}
         compiled = self.executable(key, fn, args, static)
-        return compiled(*args) if compiled is not None else fn(*args, **static)
+        return compiled(*args) if compiled is not None else fn(*args, **reference_kernels(static))
 
     def _slot(self, key: GraphKey, fn: Callable, static: dict) -> _Slot:
         """key's slot; slots of the same program at the same shapes share one executable."""

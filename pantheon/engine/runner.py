@@ -20,6 +20,7 @@ from pantheon.engine.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
+from pantheon.model import kernels as kern
 from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
 from pantheon.model.sharding import KV_CACHE
@@ -104,8 +105,27 @@ class AttentionResidency:
                 continue
             cache.k[layer], cache.v[layer] = k, v
 
+    def kernel_reason(self) -> str | None:
+        """Why the layers whose KV is on the device still attend on the jnp reference (from the
+        kernel choice their decode programs record, model/kernels.py), or None when a kernel runs
+        them: Pallas on a GPU, the native kernel on the CPU."""
+        spec, cache = self.runner.spec, self.runner.cache
+        wanted = kern.attention_modes(1, spec.head_dim, tuple(cache.k[0].shape))
+        if dict(kern.choose(wanted))[kern.ATTENTION_DECODE] != "reference":
+            return None
+        return "no_flash_kernels" if all(wanted.values()) else "kv_geometry_or_ring_wrap"
+
     def counters(self, operator: bool) -> dict:
-        host = len(self.host_layers())
+        """`ondie`: layers whose KV is on the device and whose decode attention runs a kernel;
+        `host`: the others, each for a reason: KV in host memory (`ring_alloc_failed`), or the jnp
+        reference attending (`no_flash_kernels`: no kernel on this backend; `kv_geometry_or_ring_wrap`:
+        the kernel cannot run these shapes)."""
+        host_kv = len(self.host_layers())
+        reasons = {"ring_alloc_failed": host_kv} if host_kv else {}
+        reason = self.kernel_reason()
+        if reason is not None and self.layers > host_kv:
+            reasons[reason] = self.layers - host_kv
+        host = sum(reasons.values())
         out = {"ondie": self.layers - host, "host": host, "total": self.layers}
         if operator or self.gave_up:
             out["gave_up"] = len(self.gave_up)
@@ -115,7 +135,7 @@ class AttentionResidency:
             out["host_engagements"] = self.host_engagements
             out["ring_alloc_failures"] = self.ring_alloc_failures
             if host:
-                out["reasons"] = {"ring_alloc_failed": host}
+                out["reasons"] = reasons
         return out
 
 

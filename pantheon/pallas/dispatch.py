@@ -134,10 +134,19 @@ def triton_params(num_warps: int, num_stages: int):
 # (pantheon.model.kernels), so the jit cache key records which implementation each program runs.
 def _mode(name: str, backend: str | None, mode: str | None) -> str:
     if mode is None:
-        return kernel_mode(name, backend)
+        mode = kernel_mode(name, backend)
     if mode not in MODES:
         raise ValueError(f"{name}: unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+    if mode != "reference":
+        from pantheon.engine.faults import FAULTS
+
+        if FAULTS.take("lowering"):  # a test's stand-in for a Triton/XLA lowering failure
+            raise KernelLoweringError(f"injected lowering failure of the {mode} {name} kernel")
     return mode
+
+
+class KernelLoweringError(RuntimeError):
+    """A kernel could not be lowered for this program (injected by the `lowering` fault)."""
 
 
 def attention_prefill(q, k, v, q_pos, backend: str | None = None, *, mode: str | None = None):

@@ -4,6 +4,7 @@ per-layer programs when it cannot compile, while a layer's KV is on the host, or
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -88,6 +89,27 @@ def test_failed_full_step_compile_falls_back_then_heals(model_path, monkeypatch)
     assert registry.counters("segment")["failed"] == 0
 
 
+def test_a_kernel_that_cannot_be_lowered_falls_back_to_the_reference(model_path, monkeypatch):
+    """The `lowering` fault raises inside the trace where the (native) decode attention kernel is
+    lowered: the full-step compile fails, then the per-layer program's; that one runs traced again
+    with its kernels on the jnp reference. Same tokens; the failures are counted."""
+    ref, ref_solo, _ = greedy_run(model_path, monkeypatch, full_step=False)
+    registry = GraphRegistry(backoff_s=60.0)
+    jax.clear_caches()  # the kernels are lowered while tracing: make this run trace afresh
+    FAULTS.set("lowering", 2)
+    try:
+        got, solo, _ = greedy_run(model_path, monkeypatch, full_step=True, registry=registry)
+    finally:
+        FAULTS.set("lowering", 0)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(solo, ref_solo, atol=1e-4, rtol=0)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert registry.capture_failures == 2
+    assert registry.counters("segment")["failed"] == 1
+    decode_layers = {k.layer_class for k in registry._slots if k.kind == "decode" and k.program != "step"}
+    assert sum(registry.counters(c)["failed"] for c in decode_layers) >= 1
+
+
 def test_step_fault_and_host_kv_use_the_per_layer_programs(model_path, monkeypatch):
     _, _, runner = greedy_run(model_path, monkeypatch, full_step=True)
     FAULTS.set("step", 1)
@@ -132,3 +154,14 @@ def test_sampling_inlined_in_the_full_step_gives_the_same_tokens(model_path, mon
     progs = {k.program for k in runner.registry._slots if k.kind == "decode"}
     assert progs == {"step_sample"}  # no separate decode or sample program ran for the decode rows
     assert not any(k.program == "sample" and k.bucket[0] == 2 for k in runner.registry._slots)
+
+
+def test_attention_counters_say_whether_a_kernel_attends(model_path, monkeypatch):
+    """`ondie` counts layers whose decode attention runs a kernel (here the native CPU one); the
+    jnp reference attending is `host`, with its reason — never counted on-die."""
+    _, _, runner = greedy_run(model_path, monkeypatch, full_step=True)
+    a = runner.attention.counters(operator=True)
+    assert a["ondie"] == a["total"] > 0 and a["host"] == 0 and "reasons" not in a
+    monkeypatch.setenv("PANTHEON_KERNELS", "attention_decode=reference")
+    a = runner.attention.counters(operator=True)
+    assert a["ondie"] == 0 and a["host"] == a["total"] and a["reasons"] == {"no_flash_kernels": a["total"]}
