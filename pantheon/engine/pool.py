@@ -11,8 +11,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from gguf.constants import GGMLQuantizationType
+
 from pantheon.config import MAX_MODEL_DIES, EngineEnv, ModelConfig
-from pantheon.engine.dies import visible_dies
+from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes
 from pantheon.gguf.reader import GGUFError, open_gguf
@@ -37,15 +39,27 @@ class ModelEntry:
     error: str | None = None
 
 
+# Q3KPlanes hold a Q3_K block of 110 GGUF bytes in 114 (pantheon/pallas/moe_q3k.py)
+Q3K_PLANE_BYTES = 114 / 110
+
+
 def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
-    """f32 weights (every tensor element x 4 bytes), the quant blocks a dense model's decode reads
-    through the native kernel (weights.decode_matrices), and f32 KV for n_slots + scratch."""
+    """The bytes the model will occupy on its device(s), tensor by tensor as the loaders place
+    them: routed experts that are all Q3_K stay in blocks (qwen35moe.q3k_experts: Q3KPlanes),
+    everything else is dequantized to f32; a dense model's decode also holds the quant blocks the
+    native kernel reads (weights.decode_matrices); plus f32 KV for n_slots + the scratch slot."""
     g = open_gguf(path)
-    elements = sum(int(math.prod(t.shape)) for t in g.tensors.values())
     arch = g.architecture
-    blocks = 0
+    experts = [t for name, t in g.tensors.items() if "_exps." in name]
+    q3k = bool(experts) and all(t.ggml_type == GGMLQuantizationType.Q3_K for t in experts)
+    weights = 0
+    for name, t in g.tensors.items():
+        if q3k and "_exps." in name:
+            weights += int(t.nbytes * Q3K_PLANE_BYTES)
+        else:
+            weights += int(math.prod(t.shape)) * 4
     if arch != "qwen35moe" and native_build.available():
-        blocks = sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2 and qmatmul_supported(t.ggml_type))
+        weights += sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2 and qmatmul_supported(t.ggml_type))
     n_layer = int(g.get(f"{arch}.block_count", 0) or 0)
     kv_heads = g.get(f"{arch}.attention.head_count_kv", g.get(f"{arch}.attention.head_count", 0)) or 0
     kv_heads = kv_heads[0] if isinstance(kv_heads, list) else kv_heads
@@ -54,7 +68,7 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
     n_head = n_head[0] if isinstance(n_head, list) else n_head
     head_dim = int(g.get(f"{arch}.attention.key_length", n_embd // max(int(n_head), 1)))
     kv = 2 * n_layer * (n_slots + 1) * ctx * int(kv_heads) * head_dim * 4
-    return elements * 4 + blocks + kv
+    return weights + kv
 
 
 class ModelPool:
@@ -184,10 +198,27 @@ class ModelPool:
             raise PoolError(500, "load_failed", str(e)) from None
         except (TypeError, ValueError, ArithmeticError):  # odd metadata: the load's spec check names it
             need = 0
-        have = meminfo_bytes("MemAvailable", 1 << 62)
+        have, where = self.available_bytes(config)
         if need > 0.9 * have:
             raise PoolError(507, "load_failed", f"admission refused: {config.name} needs ~{need >> 20} MiB, "
-                                                f"{have >> 20} MiB host memory available")
+                                                f"{have >> 20} MiB {where} available")
+
+    def available_bytes(self, config: ModelConfig) -> tuple[int, str]:
+        """What a new model may occupy, and where: on an accelerator, the budget of its dies
+        (`vram_budget`, from the allocator's limit) less what models already hold there; on the
+        CPU, the host's available memory (the CPU's device memory is the host's)."""
+        import jax
+
+        if jax.default_backend() == "cpu":
+            return meminfo_bytes("MemAvailable", 1 << 62), "host memory"
+        dies = visible_dies()
+        targets = [dies[i] for i in (config.dies or [0]) if 0 <= i < len(dies)]
+        used = {}
+        for e in self.ready():
+            for dev, n in e.engine.bytes_per_device().items():
+                used[dev] = used.get(dev, 0) + n
+        have = sum(max(die_budget(d) - used.get(d.device_id, 0), 0) for d in targets)
+        return have, f"on dies {[d.index for d in targets]} (vram_budget less what loaded models hold)"
 
     def unload(self, name: str) -> None:
         """Blocking: drains the in-flight generations of every replica of `name`, then frees them."""

@@ -101,6 +101,6 @@ async def admin_dies():
     for d in dies:
         here = [(e, per) for e, per in usage if per.get(d.device_id)]
         data.append({"die": d.index, "card": d.card, "model": here[0][0].config.name if here else "",
-                     "n_models": len(here), "vram_budget": die_budget(d), "memory_source": d.memory_source,
+                     "n_models": len(here), "vram_budget": die_budget(d),
                      "vram_used": sum(per[d.device_id] for _, per in here)})
     return {"object": "list", "n_dies": len(dies), "data": data}

@@ -51,7 +51,6 @@ def test_sharded_on_two_and_four_dies_equals_one_die(dies_server):
     assert rows["four"]["dies"] == [2, 3, 4, 5]
     dies = httpx.get(dies_server.url + "/admin/dies").json()
     assert dies["n_dies"] == 8
-    assert {d["memory_source"] for d in dies["data"]} == {"host (cpu)"}  # the CPU's budget is host RAM, said so
     by_die = {d["die"]: d for d in dies["data"]}
     assert [by_die[i]["model"] for i in (0, 1, 2, 5, 6, 7)] == ["two", "two", "four", "four", "", "one"]
     per_die_four = [by_die[i]["vram_used"] for i in (2, 3, 4, 5)]
