@@ -44,31 +44,36 @@ Q3K_PLANE_BYTES = 114 / 110
 
 
 def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
-    """The bytes the model will occupy on its device(s), tensor by tensor as the loaders place
-    them: routed experts that are all Q3_K stay in blocks (qwen35moe.q3k_experts: Q3KPlanes),
-    everything else is dequantized to f32; a dense model's decode also holds the quant blocks the
-    native kernel reads (weights.decode_matrices); plus f32 KV for n_slots + the scratch slot."""
+    """The bytes the model in `path` will occupy on its device(s) (`estimate_bytes`)."""
     g = open_gguf(path)
     arch = g.architecture
-    experts = [t for name, t in g.tensors.items() if "_exps." in name]
-    q3k = bool(experts) and all(t.ggml_type == GGMLQuantizationType.Q3_K for t in experts)
+
+    def meta(key, default):
+        value = g.get(f"{arch}.{key}", default)
+        return int((value[0] if isinstance(value, list) else value) or 0)
+
+    n_head = max(meta("attention.head_count", 1), 1)
+    kv_heads = meta("attention.head_count_kv", n_head)
+    head_dim = meta("attention.key_length", meta("embedding_length", 0) // n_head)
+    tensors = {name: (t.shape, t.ggml_type, t.nbytes) for name, t in g.tensors.items()}
+    return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots)
+
+
+def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
+                   n_slots: int) -> int:
+    """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
+    routed experts that are all Q3_K stay in blocks (qwen35moe.q3k_experts: Q3KPlanes), everything
+    else is dequantized to f32; a dense model's decode also holds the quant blocks the native
+    kernel reads (weights.decode_matrices); plus f32 KV for n_slots + the scratch slot (every layer
+    counted, an upper bound for the hybrid's attention-only KV)."""
+    experts = [t for name, t in tensors.items() if "_exps." in name]
+    q3k = bool(experts) and all(kind == GGMLQuantizationType.Q3_K for _, kind, _ in experts)
     weights = 0
-    for name, t in g.tensors.items():
-        if q3k and "_exps." in name:
-            weights += int(t.nbytes * Q3K_PLANE_BYTES)
-        else:
-            weights += int(math.prod(t.shape)) * 4
+    for name, (shape, kind, nbytes) in tensors.items():
+        weights += int(nbytes * Q3K_PLANE_BYTES) if q3k and "_exps." in name else int(math.prod(shape)) * 4
     if arch != "qwen35moe" and native_build.available():
-        weights += sum(t.nbytes for t in g.tensors.values() if len(t.shape) == 2 and qmatmul_supported(t.ggml_type))
-    n_layer = int(g.get(f"{arch}.block_count", 0) or 0)
-    kv_heads = g.get(f"{arch}.attention.head_count_kv", g.get(f"{arch}.attention.head_count", 0)) or 0
-    kv_heads = kv_heads[0] if isinstance(kv_heads, list) else kv_heads
-    n_embd = int(g.get(f"{arch}.embedding_length", 0) or 0)
-    n_head = g.get(f"{arch}.attention.head_count", 1) or 1
-    n_head = n_head[0] if isinstance(n_head, list) else n_head
-    head_dim = int(g.get(f"{arch}.attention.key_length", n_embd // max(int(n_head), 1)))
-    kv = 2 * n_layer * (n_slots + 1) * ctx * int(kv_heads) * head_dim * 4
-    return weights + kv
+        weights += sum(nbytes for shape, kind, nbytes in tensors.values() if len(shape) == 2 and qmatmul_supported(kind))
+    return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * 4
 
 
 class ModelPool:
@@ -198,6 +203,10 @@ class ModelPool:
             raise PoolError(500, "load_failed", str(e)) from None
         except (TypeError, ValueError, ArithmeticError):  # odd metadata: the load's spec check names it
             need = 0
+        self.check_fits(config, need)
+
+    def check_fits(self, config: ModelConfig, need: int) -> None:
+        """507 when `need` bytes exceed 90 % of what the model's target has available."""
         have, where = self.available_bytes(config)
         if need > 0.9 * have:
             raise PoolError(507, "load_failed", f"admission refused: {config.name} needs ~{need >> 20} MiB, "

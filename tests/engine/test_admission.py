@@ -56,3 +56,42 @@ def test_an_accelerator_admits_against_its_dies_budget(tmp_path, monkeypatch):
     with pytest.raises(PoolError) as e:
         pool._admit(config)
     assert e.value.status == 507 and "on dies [0]" in e.value.message
+
+
+def qwen35_35b_a3b_tensors(expert_type) -> dict:
+    """Tensor infos shaped like Qwen3.5-35B-A3B (40 layers, hidden 2048, 256 experts of 512, head
+    dim 256, vocab 248k): the estimate needs no 15 GB file."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    def info(shape, kind=Q.F32):
+        block, size = GGML_QUANT_SIZES[kind]
+        n = 1
+        for d in shape:
+            n *= d
+        return (shape, kind, n // block * size)
+
+    e, x, f, v = 2048, 256, 512, 248320
+    t = {"token_embd.weight": info((v, e), Q.Q8_0), "output.weight": info((v, e), Q.Q6_K)}
+    for i in range(40):
+        p = f"blk.{i}."
+        t |= {p + "attn_qkv.weight": info((8192, e), Q.Q8_0), p + "attn_out.weight": info((e, 4096), Q.Q8_0),
+              p + "ffn_gate_inp.weight": info((x, e)), p + "ffn_gate_shexp.weight": info((f, e), Q.Q8_0),
+              p + "ffn_up_shexp.weight": info((f, e), Q.Q8_0), p + "ffn_down_shexp.weight": info((e, f), Q.Q8_0)}
+        for name in ("ffn_gate_exps", "ffn_up_exps"):
+            t[p + name + ".weight"] = info((x, f, e), expert_type)
+        t[p + "ffn_down_exps.weight"] = info((x, e, f), expert_type)
+    return t
+
+
+def test_a_35b_a3b_shaped_model_is_admitted_on_an_h200_die_only_with_q3k_experts(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+    monkeypatch.setattr(pool_mod, "visible_dies", lambda: [Die(0, 0, "gpu", 141 * 10 ** 9, 0, "device")])
+    pool, config = ModelPool(), ModelConfig(path="synthetic", name="qwen35-35b-a3b")
+    q3k = pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q3_K), 40, 2, 256, 32768, 4)
+    assert 20e9 < q3k < 60e9  # experts in blocks (~14 GB), the rest f32, KV for 5 x 32k positions
+    pool.check_fits(config, q3k)
+    f32 = pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q5_K), 40, 2, 256, 32768, 4)
+    assert f32 > 130e9  # experts of another type are dequantized: ~129 GB of them alone
+    with pytest.raises(PoolError) as e:
+        pool.check_fits(config, f32)
+    assert e.value.status == 507
