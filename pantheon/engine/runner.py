@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
@@ -80,6 +81,18 @@ class AttentionResidency:
         cache.k[layer], cache.v[layer] = host_k, host_v  # the device buffers are dropped
         self.host_engagements += 1
         self._failed(layer)
+        if 2 * host_k.nbytes // self._dies() > self._die_bytes():
+            self.impossible.add(layer)  # its rings exceed a whole die: no retry can succeed
+
+    def _dies(self) -> int:
+        sharding = self.runner.state_sharding
+        return len(sharding.device_set) if sharding is not None else 1
+
+    def _die_bytes(self) -> int:
+        """The smallest budget among the dies holding this model's KV (`vram_budget`)."""
+        sharding = self.runner.state_sharding
+        ids = {d.id for d in sharding.device_set} if sharding is not None else {jax.devices()[0].id}
+        return min((die_budget(d) for d in visible_dies() if d.device_id in ids), default=1 << 62)
 
     def _failed(self, layer: int) -> None:
         self.ring_alloc_failures += 1
@@ -93,7 +106,7 @@ class AttentionResidency:
         now = time.monotonic()
         cache = self.runner.cache
         for layer in self.host_layers():
-            if layer in self.gave_up or now < self.next_retry.get(layer, 0.0):
+            if layer in self.gave_up or layer in self.impossible or now < self.next_retry.get(layer, 0.0):
                 continue
             try:
                 if FAULTS.take("kv_alloc"):

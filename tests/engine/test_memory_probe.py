@@ -56,3 +56,37 @@ def test_the_ladder_reads_device_pressure():
     assert MemoryLadder(devices=[full])._measure() == "critical"
     broken = FakeDevice(error=RuntimeError("x"))
     assert MemoryLadder(devices=[broken])._measure() in ("ok", "pressure", "critical")  # host RAM only
+
+
+def test_kv_rings_larger_than_their_die_are_impossible_and_not_retried(tmp_path, monkeypatch):
+    from pantheon.engine import runner as runner_mod
+    from pantheon.engine.faults import FAULTS
+    from pantheon.gguf import open_gguf
+    from pantheon.model.family import family_of
+    from pantheon.model.spec import spec_from_gguf
+    from tests.fixtures.tiny_models import write_tiny_llama
+
+    g = open_gguf(write_tiny_llama(tmp_path / "m.gguf", n_layer=2))
+    spec = spec_from_gguf(g)
+    fam = family_of(spec)
+
+    def runner(budget: int):
+        monkeypatch.setattr(runner_mod, "die_budget", lambda die: budget)
+        FAULTS.set("kv_alloc", 1)  # layer 0's allocation fails
+        try:
+            return runner_mod.ModelRunner(spec, fam.numerics_for(g, spec, "exact"), fam.load_params(g, spec),
+                                          n_slots=2, ctx=32)
+        finally:
+            FAULTS.set("kv_alloc", 0)
+
+    small = runner(1024)  # one layer's K and V rings are 24 KiB: they can never fit this die
+    a = small.attention.counters(operator=True)
+    assert a["impossible"] == 1 and a["host"] == 1 and a["reasons"] == {"ring_alloc_failed": 1}
+    small.attention.next_retry = {0: 0.0}
+    small.attention.retry_due()
+    assert small.attention.host_layers() == [0]  # not retried
+    roomy = runner(1 << 40)  # the same failure on a die it fits: retried, and it heals
+    assert roomy.attention.counters(operator=True)["impossible"] == 0
+    roomy.attention.next_retry = {0: 0.0}
+    roomy.attention.retry_due()
+    assert roomy.attention.host_layers() == []
