@@ -11,13 +11,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from gguf.constants import GGMLQuantizationType
-
 from pantheon.config import MAX_MODEL_DIES, EngineEnv, ModelConfig
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes
 from pantheon.gguf.reader import GGUFError, open_gguf
+from pantheon.model.qwen35moe import experts_stay_q3k
 from pantheon.native import build as native_build
 from pantheon.native.qmatmul import supported as qmatmul_supported
 
@@ -66,8 +65,7 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     else is dequantized to f32; a dense model's decode also holds the quant blocks the native
     kernel reads (weights.decode_matrices); plus f32 KV for n_slots + the scratch slot (every layer
     counted, an upper bound for the hybrid's attention-only KV)."""
-    experts = [t for name, t in tensors.items() if "_exps." in name]
-    q3k = bool(experts) and all(kind == GGMLQuantizationType.Q3_K for _, kind, _ in experts)
+    q3k = experts_stay_q3k(kind for name, (_, kind, _) in tensors.items() if "_exps." in name)
     weights = 0
     for name, (shape, kind, nbytes) in tensors.items():
         weights += int(nbytes * Q3K_PLANE_BYTES) if q3k and "_exps." in name else int(math.prod(shape)) * 4

@@ -28,7 +28,7 @@ from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
 from pantheon.model.step import full_step
-from pantheon.model.weights import decode_view
+from pantheon.model.weights import decode_view, prefill_view
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 # Prefill is compute-bound: padding costs its full share (SmolLM2 on 2 cores: 16 tokens 54-66 ms,
@@ -238,7 +238,7 @@ class ModelRunner:
         self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
         # Prefill reads f32 matrices; decode the quant blocks where the native kernel holds them
         # (weights.decode_view). Both views share every other array.
-        self.prefill_params = {k: v for k, v in params.items() if k != "decode"}
+        self.prefill_params = prefill_view(params)
         self.decode_params = decode_view(params)
         self.registry = registry or GraphRegistry()
         self.family = family_of(spec)

@@ -76,11 +76,18 @@ def _layer_names(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, str]:
 
 
 def q3k_experts(g: GGUFFile, spec: HybridSpec) -> bool:
-    """Whether the routed experts stay Q3_K blocks on the device: every layer's expert tensors are
-    Q3_K. Decided for the whole model, so all layers of a kind share one program (and one params
-    structure); a mix (Q3_K_M's Q4_K/Q5_K ffn_down) keeps the float32 path."""
-    return all(g.tensor_info(name).ggml_type == GGMLQuantizationType.Q3_K
-               for i in range(spec.n_layer) for key, name in _layer_names(g, spec, i).items() if key in _EXPERTS)
+    """Whether the routed experts stay Q3_K blocks on the device (`experts_stay_q3k`)."""
+    return experts_stay_q3k(g.tensor_info(name).ggml_type for i in range(spec.n_layer)
+                            for key, name in _layer_names(g, spec, i).items() if key in _EXPERTS)
+
+
+def experts_stay_q3k(expert_types) -> bool:
+    """The ggml types of every layer's routed expert tensors -> whether they stay Q3_K blocks: all
+    of them Q3_K. Decided for the whole model, so all layers of a kind share one program (and one
+    params structure); a mix (Q3_K_M's Q4_K/Q5_K ffn_down) keeps the float32 path. Admission
+    (engine/pool.py) charges the experts by the same rule."""
+    types = list(expert_types)
+    return bool(types) and all(t == GGMLQuantizationType.Q3_K for t in types)
 
 
 def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False) -> dict[str, np.ndarray | Q3KPlanes]:

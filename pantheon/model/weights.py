@@ -150,12 +150,17 @@ def decode_matrices(g: GGUFFile, spec: ModelSpec, layer_keys: list[set[str]]) ->
     return {"layers": layers} if head is None else {"layers": layers, "head": head}
 
 
+def prefill_view(params: dict) -> dict:
+    """The params the prefill programs read: the f32 matrices (its products are compute-bound,
+    where XLA's f32 GEMM is faster), without the decode blocks."""
+    return {k: v for k, v in params.items() if k != "decode"}
+
+
 def decode_view(params: dict) -> dict:
     """The params the decode programs read: the quantized matrices of params["decode"] in place
-    of their f32 copies (prefill keeps the f32 ones: its products are compute-bound, where XLA's
-    f32 GEMM is faster), everything else shared."""
+    of their f32 copies, everything else shared with `prefill_view`."""
     q = params.get("decode")
-    base = {k: v for k, v in params.items() if k != "decode"}
+    base = prefill_view(params)
     if q is None:
         return base
     out = dict(base, layers=[dict(w, **qw) for w, qw in zip(base["layers"], q["layers"])])

@@ -50,7 +50,7 @@ inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
 template <int64_t t, int64_t R>
 inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
                  int64_t m0, int64_t n) {
-  constexpr int64_t bb = t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : 34;
+  constexpr int64_t bb = block_bytes(t);
   const int64_t nb = K / 32;
   v8f acc[R] = {};
   float macc[R] = {};

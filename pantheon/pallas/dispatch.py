@@ -57,13 +57,16 @@ def _parse(value: str) -> tuple[str | None, dict[str, str]]:
 def default_mode(backend: str, name: str | None = None) -> str:
     if backend in GPU_BACKENDS:
         return "pallas"
-    return "native" if backend == "cpu" and name in NATIVE_KERNELS and _native_built() else "reference"
+    return "native" if name in NATIVE_KERNELS and _native_unavailable(backend) is None else "reference"
 
 
-def _native_built() -> bool:
+def _native_unavailable(backend: str) -> str | None:
+    """Why the native CPU kernels cannot run on `backend`, or None when they can (built here)."""
+    if backend != "cpu":
+        return f"backend {backend!r}"
     from pantheon.native import build
 
-    return build.available()
+    return build.unavailable_reason()
 
 
 def kernel_mode(name: str, backend: str | None = None, env: str | None = None) -> str:
@@ -82,11 +85,9 @@ def kernel_mode(name: str, backend: str | None = None, env: str | None = None) -
     if mode == "native":
         if name not in NATIVE_KERNELS:
             raise ValueError(f"{ENV}: {name} has no native kernel (native: {', '.join(NATIVE_KERNELS)})")
-        if backend != "cpu" or not _native_built():
-            from pantheon.native import build
-
-            raise ValueError(f"{ENV} asks for the native {name} kernel but it is not available here "
-                             f"({build.unavailable_reason() if backend == 'cpu' else 'backend ' + repr(backend)})")
+        reason = _native_unavailable(backend)
+        if reason is not None:
+            raise ValueError(f"{ENV} asks for the native {name} kernel but it is not available here ({reason})")
     if mode == "pallas" and backend not in GPU_BACKENDS:
         raise ValueError(f"{ENV} asks for compiled Pallas kernels ({name}) but the backend is {backend!r}; "
                          f"Pallas kernels here lower only for GPU (use 'interpret' or 'reference')")
