@@ -16,6 +16,7 @@ from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes
 from pantheon.gguf.reader import GGUFError, open_gguf
+from pantheon.model.dtypes import compute_dtype, itemsize
 from pantheon.model.qwen35moe import experts_stay_q3k
 from pantheon.native import build as native_build
 from pantheon.native.qmatmul import supported as qmatmul_supported
@@ -43,7 +44,10 @@ Q3K_PLANE_BYTES = 114 / 110
 
 
 def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
-    """The bytes the model in `path` will occupy on its device(s) (`estimate_bytes`)."""
+    """The bytes the model in `path` will occupy on its device(s) (`estimate_bytes`), in the
+    compute dtype of this backend (model/dtypes.py: bf16 on a GPU)."""
+    import jax
+
     g = open_gguf(path)
     arch = g.architecture
 
@@ -55,23 +59,29 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
     kv_heads = meta("attention.head_count_kv", n_head)
     head_dim = meta("attention.key_length", meta("embedding_length", 0) // n_head)
     tensors = {name: (t.shape, t.ggml_type, t.nbytes) for name, t in g.tensors.items()}
-    return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots)
+    return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots,
+                          itemsize(compute_dtype(jax.default_backend())))
 
 
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
-                   n_slots: int) -> int:
+                   n_slots: int, itemsize: int = 4) -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
-    routed experts that are all Q3_K stay in blocks (qwen35moe.q3k_experts: Q3KPlanes), everything
-    else is dequantized to f32; a dense model's decode also holds the quant blocks the native
-    kernel reads (weights.decode_matrices); plus f32 KV for n_slots + the scratch slot (every layer
-    counted, an upper bound for the hybrid's attention-only KV)."""
+    routed experts that are all Q3_K stay in blocks (qwen35moe.q3k_experts: Q3KPlanes), every
+    other matrix is dequantized to the compute dtype (`itemsize` bytes; the few kept f32 are
+    counted at it too: the router and conv taps are <0.1 % of a model), 1-D tensors stay f32; an
+    f32 dense model's decode also holds the quant blocks the native kernel reads
+    (weights.decode_matrices); plus KV in the compute dtype for n_slots + the scratch slot (every
+    layer counted, an upper bound for the hybrid's attention-only KV)."""
     q3k = experts_stay_q3k(kind for name, (_, kind, _) in tensors.items() if "_exps." in name)
     weights = 0
     for name, (shape, kind, nbytes) in tensors.items():
-        weights += int(nbytes * Q3K_PLANE_BYTES) if q3k and "_exps." in name else int(math.prod(shape)) * 4
-    if arch != "qwen35moe" and native_build.available():
+        if q3k and "_exps." in name:
+            weights += int(nbytes * Q3K_PLANE_BYTES)
+        else:
+            weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)
+    if arch != "qwen35moe" and itemsize == 4 and native_build.available():
         weights += sum(nbytes for shape, kind, nbytes in tensors.values() if len(shape) == 2 and qmatmul_supported(kind))
-    return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * 4
+    return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * itemsize
 
 
 class ModelPool:

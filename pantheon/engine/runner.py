@@ -111,8 +111,8 @@ class AttentionResidency:
             try:
                 if FAULTS.take("kv_alloc"):
                     raise MemoryError("injected KV allocation failure")
-                k = jax.device_put(cache.k[layer], self.runner.state_sharding)
-                v = jax.device_put(cache.v[layer], self.runner.state_sharding)
+                k = jax.device_put(cache.k[layer].astype(self.runner.kv_dtype), self.runner.state_sharding)
+                v = jax.device_put(cache.v[layer].astype(self.runner.kv_dtype), self.runner.state_sharding)
             except Exception:  # noqa: BLE001 - any allocation failure keeps the host path
                 self._failed(layer)
                 continue
@@ -124,7 +124,7 @@ class AttentionResidency:
         them: Pallas on a GPU, the native kernel on the CPU."""
         spec, cache = self.runner.spec, self.runner.cache
         wanted = kern.attention_modes(1, spec.head_dim, tuple(cache.k[0].shape))
-        if dict(kern.choose(wanted))[kern.ATTENTION_DECODE] != "reference":
+        if dict(kern.choose(wanted, self.runner.kv_dtype))[kern.ATTENTION_DECODE] != "reference":
             return None
         return "no_flash_kernels" if all(wanted.values()) else "kv_geometry_or_ring_wrap"
 
@@ -234,8 +234,9 @@ class SlotSampling:
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, numerics: Numerics, params, n_slots: int, ctx: int,
-                 registry: GraphRegistry | None = None, device=None):
+                 registry: GraphRegistry | None = None, device=None, dtype=jnp.float32):
         self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
+        self.kv_dtype = dtype  # the KV cache's (model/dtypes.py); host-fallback KV is f32
         # Prefill reads f32 matrices; decode the quant blocks where the native kernel holds them
         # (weights.decode_view). Both views share every other array.
         self.prefill_params = prefill_view(params)
@@ -247,7 +248,7 @@ class ModelRunner:
         else:
             state_sharding = sampler_sharding = (jax.sharding.SingleDeviceSharding(device)
                                                  if device is not None else None)
-        self.cache = self.family.allocate_state(spec, n_slots, ctx, sharding=state_sharding)
+        self.cache = self.family.allocate_state(spec, n_slots, ctx, dtype=dtype, sharding=state_sharding)
         self.state_sharding = state_sharding
         self.attention = AttentionResidency(self)
         self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), sampler_sharding)
@@ -313,10 +314,10 @@ class ModelRunner:
         else the per-layer programs: while a layer's KV is on the host, when the compile failed (it
         is retried on the registry's backoff), or for a step an injected `step` fault targets."""
         ids, pos, rows, logit_index = self._decode_inputs(slots, tokens, positions)
-        if self._full_step_ok():
+        if self._full_step_ok(mask=None):
             args = (self.decode_params, self.cache, ids, pos, rows, logit_index)
-            step = self.registry.executable(GraphKey("decode", "segment", (len(rows),), program="step"), full_step,
-                                            args, self._step_static())
+            step = self._full_step_executable(GraphKey("decode", "segment", (len(rows),), program="step"), full_step,
+                                              args, self._step_static())
             if step is not None:
                 logits, self.cache = step(*args)
                 return logits
@@ -332,8 +333,18 @@ class ModelRunner:
         ids[:n, 0], pos[:n, 0], rows[:n] = tokens, positions, slots
         return ids, pos, rows, np.zeros(b, np.int32)
 
-    def _full_step_ok(self) -> bool:
-        return self.full_step and not self.attention.host_layers() and not FAULTS.pending("step")
+    def _full_step_ok(self, mask) -> bool:
+        """Whether this step may run a full-step program: not while a layer's KV is on the host, a
+        `step` fault is pending, or (with the sampler inlined) a row is grammar-masked."""
+        return mask is None and not self.attention.host_layers() and not FAULTS.pending("step")
+
+    def _full_step_executable(self, key: GraphKey, fn, args, static):
+        """The full-step program's executable, or None: failed, or gated out by PANTHEON_FULL_STEP=0
+        — then its slot counts `ineligible` (this serve never compiles it: not a fault)."""
+        if not self.full_step:
+            self.registry.mark_ineligible(key)
+            return None
+        return self.registry.executable(key, fn, args, static)
 
     def _step_static(self) -> dict:
         # Decode attention reads each row's slot in place up to its position (kernels.py), so one
@@ -344,12 +355,13 @@ class ModelRunner:
         """A decode step and its sampling as one program (the full step with the sampler inlined),
         where the full step is available and no row is grammar-constrained; otherwise `decode`
         then `sample`. Same tokens either way."""
-        if self._full_step_ok() and d.mask is None:
+        if self._full_step_ok(d.mask):
             ids, pos, rows, logit_index = self._decode_inputs(d.slots, d.tokens, d.positions)
             sargs, want_top = self._sample_args(len(rows), d.slots, d.sampling, d.forced, None, advance=False)
             args = (self.decode_params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
             key = GraphKey("decode", "segment", (len(rows), want_top), program="step_sample")
-            step = self.registry.executable(key, full_step_and_sample, args, dict(self._step_static(), want_top=want_top))
+            step = self._full_step_executable(key, full_step_and_sample, args,
+                                              dict(self._step_static(), want_top=want_top))
             if step is not None:
                 for s in d.sampling:
                     s.step += 1

@@ -16,7 +16,7 @@ from pantheon.model.state import allocate_kv_cache
 class Family:
     load_params: Callable  # (gguf, spec, dtype=, device=) -> params
     numerics_for: Callable  # (gguf, spec, mode) -> Numerics
-    allocate_state: Callable  # (spec, n_slots, ctx, sharding=) -> state
+    allocate_state: Callable  # (spec, n_slots, ctx, dtype=, sharding=) -> state
     forward: Callable  # (params, state, tokens, positions, slots, logit_index, *, spec, numerics, kv_len, ...)
     kv_programs: tuple[str, ...]  # programs whose executables depend on the attended length
     can_truncate: bool  # the state can resume from any common prefix (attention-only caches)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from pantheon.pallas import dispatch
 
@@ -46,11 +47,16 @@ def attention_supported(name: str, head_dim: int, cache_shape: tuple[int, ...]) 
     return True
 
 
-def choose(wanted: dict[str, bool]) -> Kernels:
+def choose(wanted: dict[str, bool], dtype=jnp.float32) -> Kernels:
     """{kernel name: whether its Pallas kernel runs this program's shapes} -> the static `kernels`
     argument: dispatch's mode per kernel, "reference" where the kernel cannot run the shapes (the
-    native decode attention runs a superset of the Pallas kernel's shapes: head dims % 8, f32)."""
-    return tuple(sorted((name, dispatch.kernel_mode(name) if ok else "reference") for name, ok in wanted.items()))
+    native decode attention runs a superset of the Pallas kernel's shapes — head dims % 8 — but
+    only a float32 cache: with a `dtype` (the KV cache's) of another kind it is "reference")."""
+    def mode(name: str, ok: bool) -> str:
+        chosen = dispatch.kernel_mode(name) if ok else "reference"
+        return "reference" if chosen == "native" and jnp.dtype(dtype) != jnp.float32 else chosen
+
+    return tuple(sorted((name, mode(name, ok)) for name, ok in wanted.items()))
 
 
 def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels) -> jax.Array:
@@ -68,13 +74,15 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels)
         from pantheon.pallas.attention import cached_attention_blocked
 
         return cached_attention_blocked(q, k_cache, v_cache, slots, positions)
+    # The kernels take q in the cache's dtype (bf16 on a GPU: tensor-core dots, f32 softmax and
+    # accumulation inside) and return it in that dtype.
     if q.shape[1] == 1:
-        out = dispatch.attention_decode(q[:, 0], k_cache, v_cache, slots, positions[:, 0] + 1, kv_len=kv_len,
-                                        mode=modes[ATTENTION_DECODE])
-        return out[:, None]
-    keys = k_cache[slots, :kv_len].astype(q.dtype)  # [B, S, K, D]
-    values = v_cache[slots, :kv_len].astype(q.dtype)
-    return dispatch.attention_prefill(q, keys, values, positions, mode=modes[ATTENTION_PREFILL])
+        out = dispatch.attention_decode(q[:, 0].astype(k_cache.dtype), k_cache, v_cache, slots, positions[:, 0] + 1,
+                                        kv_len=kv_len, mode=modes[ATTENTION_DECODE])
+        return out[:, None].astype(q.dtype)
+    keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]  # [B, S, K, D]
+    out = dispatch.attention_prefill(q.astype(keys.dtype), keys, values, positions, mode=modes[ATTENTION_PREFILL])
+    return out.astype(q.dtype)
 
 
 def attention_modes(t: int, head_dim: int, cache_shape: tuple[int, ...]) -> dict[str, bool]:

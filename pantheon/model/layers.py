@@ -50,6 +50,9 @@ def swiglu_down(gate, up, w_down, scheme: str = NONE) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array | QMatrix, scheme: str = NONE) -> jax.Array:
     """y = x W with W stored [in, out] (or a QMatrix: quant blocks [out, in], read by the native
-    kernel); x is first rounded per `scheme` (see numerics.py)."""
+    kernel); x is first rounded per `scheme` (see numerics.py). A bf16 W takes bf16 operands and
+    accumulates in f32 (model/dtypes.py); the result is f32 either way."""
     x = quantize_activations(x, scheme)
-    return qmatmul(x, w) if isinstance(w, QMatrix) else jnp.einsum("...i,io->...o", x, w)
+    if isinstance(w, QMatrix):
+        return qmatmul(x, w)
+    return jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)

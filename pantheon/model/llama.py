@@ -37,7 +37,7 @@ def embed(table, tokens, *, spec: ModelSpec, by_column: bool = False):
         x = embed_rows(table, tokens)
     else:
         x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1) if by_column else table[tokens]
-    return x * spec.embed_scale
+    return x.astype(jnp.float32) * spec.embed_scale  # the residual stream is f32 (model/dtypes.py)
 
 
 def _project(w, x, positions, spec: ModelSpec, num: Numerics):
@@ -116,7 +116,7 @@ def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numer
 
 def block_kernels(spec: ModelSpec, cache: KVCache, t: int) -> kern.Kernels:
     """The static `kernels` of `block` for t tokens per row (model/kernels.py)."""
-    return kern.choose(kern.attention_modes(t, spec.head_dim, cache.k[0].shape))
+    return kern.choose(kern.attention_modes(t, spec.head_dim, cache.k[0].shape), cache.k[0].dtype)
 
 
 def _direct(name: str, fn: Callable, args: tuple, static: dict):

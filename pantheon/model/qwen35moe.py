@@ -109,21 +109,30 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False) -> 
     return out
 
 
-def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None) -> dict:
-    """The params pytree for `forward`: every tensor dequantized to `dtype` (1-D ones stay f32),
-    except Q3_K experts (`q3k_experts`), kept as Q3KPlanes. `device` may be a Device or a Sharding."""
-    q3k = q3k_experts(g, spec)
-    params = {"embed": load_tensor(g, "token_embd.weight"), "output_norm": load_tensor(g, "output_norm.weight"),
-              "layers": [_layer_tensors(g, spec, i, q3k) for i in range(spec.n_layer)]}
-    if not spec.tied_embeddings:
-        params["output"] = load_tensor(g, "output.weight")
+# Matrices kept float32 whatever the compute dtype (model/dtypes.py): the router and shared-expert
+# gate decide which weights run (a bf16 rounding can swap two close experts), and the conv taps
+# feed the recurrent state.
+_KEEP_F32 = frozenset({"router", "sh_gate_inp", "conv"})
 
-    def put(a):
+
+def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None) -> dict:
+    """The params pytree for `forward`: every matrix dequantized to `dtype` (1-D tensors and
+    _KEEP_F32 stay f32), except Q3_K experts (`q3k_experts`), kept as Q3KPlanes. `device` may be a
+    Device or a Sharding."""
+    q3k = q3k_experts(g, spec)
+
+    def put(a, key=""):
         if isinstance(a, Q3KPlanes):
             return jax.device_put(a, device)
-        return jax.device_put(np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a), device)
+        keep = a.ndim < 2 or key in _KEEP_F32
+        return jax.device_put(np.ascontiguousarray(a if keep else a.astype(dtype)), device)
 
-    return jax.tree_util.tree_map(put, params, is_leaf=lambda a: isinstance(a, Q3KPlanes))
+    layers = [{k: put(a, k) for k, a in _layer_tensors(g, spec, i, q3k).items()} for i in range(spec.n_layer)]
+    params = {"embed": put(load_tensor(g, "token_embd.weight")),
+              "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
+    if not spec.tied_embeddings:
+        params["output"] = put(load_tensor(g, "output.weight"))
+    return params
 
 
 def numerics_for(g: GGUFFile, spec: HybridSpec, mode: str = "llamacpp") -> Numerics:
@@ -138,9 +147,10 @@ def numerics_for(g: GGUFFile, spec: HybridSpec, mode: str = "llamacpp") -> Numer
     return Numerics(mode, schemes)
 
 
-def allocate_state(spec: HybridSpec, n_slots: int, ctx: int, sharding=None) -> HybridState:
-    """K/V per attention layer, conv + delta-rule state per DeltaNet layer; slot n_slots is scratch."""
-    return allocate_hybrid_state(spec, n_slots, ctx, sharding=sharding)
+def allocate_state(spec: HybridSpec, n_slots: int, ctx: int, dtype=jnp.float32, sharding=None) -> HybridState:
+    """K/V (in `dtype`) per attention layer, conv + delta-rule state (f32) per DeltaNet layer; slot
+    n_slots is scratch."""
+    return allocate_hybrid_state(spec, n_slots, ctx, dtype=dtype, sharding=sharding)
 
 
 # ---- building blocks --------------------------------------------------------------------------------
@@ -270,7 +280,7 @@ def _ffn(w, x, spec: HybridSpec, num: Numerics, kernels: kern.Kernels):
     """x + MoE(h) + shared expert(h), h = RMSNorm(x) * post_attention_norm (SPEC §5). x: [B, T, E].
     Q3_K experts (Q3KPlanes) run through dispatch.moe_ffn, float32 ones through `_grouped_experts`."""
     h = rms_norm(x, w["post_norm"], spec.rms_eps).reshape(-1, x.shape[-1])  # [N, E]
-    router_logits = h @ w["router"]  # [N, X]
+    router_logits = h @ w["router"]  # [N, X], f32 (_KEEP_F32)
     schemes = tuple(num.scheme(key) for key in _EXPERTS)
     if isinstance(w["exp_down"], Q3KPlanes):
         gate, up = (w[_GATE_UP_PLANES], None) if _GATE_UP_PLANES in w else (w["exp_gate"], w["exp_up"])
@@ -288,8 +298,8 @@ def _ffn(w, x, spec: HybridSpec, num: Numerics, kernels: kern.Kernels):
 # ---- compiled programs ------------------------------------------------------------------------------
 @jax.jit
 def embed(table, tokens):
-    """tokens int32 [B, T] -> x [B, T, E]."""
-    return table[tokens]
+    """tokens int32 [B, T] -> x [B, T, E] (the residual stream is f32 whatever the table's dtype)."""
+    return table[tokens].astype(jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels"), donate_argnames=("k_cache", "v_cache"))
@@ -321,7 +331,8 @@ def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Nume
     if not all_logits:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = quantize_activations(rms_norm(x, output_norm, spec.rms_eps), numerics.scheme("head"))
-    return jnp.einsum("...i,vi->...v", x, table).astype(jnp.float32)  # table [V, E]: maybe the embedding
+    # table [V, E]: maybe the embedding; bf16 operands accumulate in f32 (model/dtypes.py)
+    return jnp.einsum("...i,vi->...v", x.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
 
 def layer_kernels(spec: HybridSpec, params, state: HybridState, t: int) -> dict[str, kern.Kernels]:
@@ -332,7 +343,8 @@ def layer_kernels(spec: HybridSpec, params, state: HybridState, t: int) -> dict[
         d = spec.ssm_d_state
         out["ssm_block"] = kern.choose({**moe, kern.DELTANET: kernel_supports(d, d, tuple(state.ssm[0].shape))})
     if state.k:
-        out["attn_block"] = kern.choose({**kern.attention_modes(t, spec.head_dim, state.k[0].shape), **moe})
+        out["attn_block"] = kern.choose({**kern.attention_modes(t, spec.head_dim, state.k[0].shape), **moe},
+                                        state.k[0].dtype)
     return out
 
 

@@ -22,6 +22,8 @@ are the model's entry points: they pick the implementation by these rules and ca
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import jax
@@ -69,14 +71,29 @@ def _native_unavailable(backend: str) -> str | None:
     return build.unavailable_reason()
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("pantheon_lowering_target", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(backend: str):
+    """Choose kernels as on `backend` while tracing inside this block: ahead-of-time lowering for
+    another platform (profiles/gpu_check.py --lower-only lowers the CUDA programs on a CPU)."""
+    token = _TARGET.set(backend)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def kernel_mode(name: str, backend: str | None = None, env: str | None = None) -> str:
-    """The mode kernel `name` runs in on `backend` (default: jax.default_backend()).
+    """The mode kernel `name` runs in on `backend` (default: the `lowering_for` target, else
+    jax.default_backend()).
 
     `env` defaults to os.environ[PANTHEON_KERNELS]. Raises ValueError for an unknown kernel, a
     malformed override, or "pallas" forced on a backend without a Pallas GPU lowering."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r} (kernels: {', '.join(KERNELS)})")
-    backend = backend or jax.default_backend()
+    backend = backend or _TARGET.get() or jax.default_backend()
     env = os.environ.get(ENV, "") if env is None else env
     default, per = _parse(env)
     mode = per.get(name) or default or default_mode(backend, name)

@@ -51,7 +51,13 @@ def greedy_run(path, monkeypatch, full_step: bool, registry: GraphRegistry | Non
 
 
 def test_full_step_equals_per_layer_programs(model_path, monkeypatch):
-    ref, ref_solo, _ = greedy_run(model_path, monkeypatch, full_step=False)
+    ref, ref_solo, per_layer = greedy_run(model_path, monkeypatch, full_step=False)
+    # gated out by PANTHEON_FULL_STEP=0: its slots count ineligible (never compiled), not failed
+    steps = [k for k in per_layer.registry._slots if k.program == "step"]
+    assert {k.bucket for k in steps} == {(1,), (2,)}
+    segment = per_layer.registry.counters("segment")
+    assert segment["ineligible"] == 2 and segment["failed"] == 0
+    assert all(per_layer.registry.counters(c)["ineligible"] == 0 for c in ("batched_attn", "prefill"))
     got, solo, runner = greedy_run(model_path, monkeypatch, full_step=True)
     assert ref.std() > 0.1  # not degenerate
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

@@ -34,7 +34,8 @@ from pantheon.pallas import attention, dispatch, moe_q3k
 from pantheon.pallas.moe_q3k import PLANE_BYTES, Q3KPlanes
 from tests.fixtures.tiny_models import write_tiny_llama
 from tests.fixtures.tiny_qwen35moe import Q3K_SHAPES, Q, write_tiny_qwen35moe
-from tests.pallas.test_lowering import _assert_triton, lower_for_cuda
+from pantheon.pallas.lowering import lower_for_cuda
+from tests.pallas.test_lowering import _assert_triton
 
 TOL = 1e-4
 CTX = 32  # >= 16: the decode kernel's smallest cache

@@ -1,22 +1,14 @@
 """Every Pallas kernel lowers for CUDA (Triton) at production-like shapes, on this CPU-only jaxlib;
 and the dispatch rules.
 
-`jax.jit(f).trace(*ShapeDtypeStructs).lower(lowering_platforms=("cuda",))` runs the Pallas ->
-Triton lowering without a GPU (compute capability 9.0 is assumed), which enforces the Triton rules
-(power-of-2 values, supported primitives, no scalar prefetch). Shapes follow Qwen3.5-35B-A3B:
+pantheon.pallas.lowering.lower_for_cuda runs the Pallas -> Triton lowering without a GPU, which
+enforces the Triton rules (power-of-2 values, supported primitives, no scalar prefetch); see its
+docstring for jaxlib > 0.10.2. Shapes follow Qwen3.5-35B-A3B:
 hidden 2048, 16 query / 2 kv heads, head_dim 256 (and 128), 256 experts / 8 used, expert FFN 512,
 8 decode slots, 4k context; Gated DeltaNet with 32 value heads, Dk = Dv = 128, 512-token chunks.
-
-jaxlib > 0.10.2 also compiles the Triton module to PTX during lowering, through a handler only the
-CUDA plugin registers. Without it lowering fails *after* the Triton module was built, with exactly
-"Platform CUDA does not have a Triton compilation handler": that error (and only that one, and only
-on such a jaxlib) counts as "lowered to Triton", with a warning.
 """
 
 from __future__ import annotations
-
-import importlib.metadata
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -28,35 +20,18 @@ from pantheon.native import build as native_build
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import decode_attention, flash_attention
 from pantheon.pallas.deltanet import gated_delta_rule, gated_delta_rule_step
+from pantheon.pallas.lowering import lower_for_cuda, triton_calls
 from pantheon.pallas.moe_q3k import Q3KPlanes, grouped_matmul_q3k, moe_ffn
 
 S = jax.ShapeDtypeStruct
-NO_HANDLER = "Platform CUDA does not have a Triton compilation handler"
-TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 HIDDEN, N_HEAD, N_KV, EXPERTS, TOP_K, FFN, SLOTS, CTX = 2048, 16, 2, 256, 8, 512, 8, 4096
 DN_HEADS, DN_DIM, DN_CHUNK = 32, 128, 512
-
-
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3] if p.isdigit())
-
-
-def lower_for_cuda(fn, *args) -> str | None:
-    """StableHLO text of fn lowered for CUDA, or None when this jaxlib built the Triton module but
-    has no CUDA plugin to compile it to PTX (see the module docstring)."""
-    try:
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # noqa: BLE001 - narrowed right below
-        if NO_HANDLER in str(e) and _jaxlib_version() > (0, 10, 2):
-            warnings.warn(f"jaxlib {_jaxlib_version()}: Triton module built, PTX compile needs the CUDA plugin")
-            return None
-        raise
 
 
 def _assert_triton(text: str | None, n_kernels: int):
     if text is None:
         return
-    found = sum(text.count(name) for name in TRITON_CALLS)
+    found = triton_calls(text)
     assert found >= n_kernels, f"expected {n_kernels} Triton custom calls, found {found}"
 
 

@@ -1,0 +1,49 @@
+"""The dtype a model computes in on its device.
+
+On a GPU the dense weights (matrices and embeddings), the KV cache and the operands of every
+matmul and attention product are bfloat16 — tensor cores, half the bytes streamed per decode step,
+attention tiles that fit shared memory — with float32 accumulation (`preferred_element_type`) and
+float32 wherever the numerics need it: the residual stream, norms, rope, softmax statistics, the
+MoE router and shared-expert gate, the DeltaNet conv taps and conv/delta-rule state (llama.cpp
+keeps the recurrent state F32 too), and the logits. Q3_K experts stay in their blocks either way.
+
+The CPU keeps float32: XLA:CPU's bf16 dot is ~10x slower than its f32 one, and the native decode
+kernels read the GGUF quant blocks (pantheon/native). `PANTHEON_DTYPE=float32|bfloat16` overrides
+the choice (`auto`, the default, picks by backend); tests use it to run the bf16 path on the CPU
+against float32 with stated tolerances (tests/model/test_bf16.py)."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from pantheon.pallas.dispatch import GPU_BACKENDS
+
+ENV = "PANTHEON_DTYPE"
+_NAMES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+def compute_dtype(backend: str, env: str | None = None):
+    """The dtype of weights, KV and matmul operands for a model on `backend`."""
+    value = (os.environ.get(ENV, "auto") if env is None else env).strip().lower() or "auto"
+    if value == "auto":
+        return jnp.bfloat16 if backend in GPU_BACKENDS else jnp.float32
+    if value not in _NAMES:
+        raise ValueError(f"{ENV}: unknown dtype {value!r} (auto, float32 or bfloat16)")
+    return _NAMES[value]
+
+
+def backend_of(device) -> str:
+    """The platform of a Device, of a Mesh's dies, or of the default backend (None)."""
+    import jax
+
+    if device is None:
+        return jax.default_backend()
+    if hasattr(device, "devices"):  # a Mesh
+        return device.devices.flat[0].platform
+    return device.platform
+
+
+def itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
