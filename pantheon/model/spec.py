@@ -143,12 +143,21 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
         rms_eps=key("attention.layer_norm_rms_epsilon", 1e-5, kind=float),
         tied_embeddings="output.weight" not in g.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
-        embed_scale=key("embedding_scale", 1.0, kind=float),
-        residual_scale=key("residual_scale", 1.0, kind=float),
-        logit_scale=key("logit_scale", 1.0, kind=float),
+        **_scales(key, arch, n_layer, n_embd),
     )
     _check_shapes(g, spec)
     return spec
+
+
+def _scales(key, arch: str, n_layer: int, n_embd: int) -> dict[str, float]:
+    """embed_scale, residual_scale, logit_scale (the logits are divided by it). A MiniCPM file
+    without the keys takes llama.cpp's defaults for older MiniCPM exports: 12, 1.4 / sqrt(n_layer)
+    and 256 / n_embd (llama.cpp's loader sets these before reading the optional keys, and its graph
+    divides the logits by f_logit_scale); every other architecture, 1."""
+    minicpm = arch == "minicpm"
+    return {"embed_scale": key("embedding_scale", 12.0 if minicpm else 1.0, kind=float),
+            "residual_scale": key("residual_scale", 1.4 / math.sqrt(n_layer) if minicpm else 1.0, kind=float),
+            "logit_scale": key("logit_scale", 256.0 / n_embd if minicpm else 1.0, kind=float)}
 
 
 def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:

@@ -173,3 +173,24 @@ def test_phi3_fused_projections_match_the_unfused_model(tmp_path):
     ours = np.asarray(runner.prefill(0, tokens, 0, all_logits=True))
     ref = NumpyLlama(g_qwen, spec).logits(tokens)  # phi3 hyper-parameters, unfused weights
     np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+
+
+# ---- minicpm: llama.cpp's scale defaults for files without the keys ----------------------------------------
+def test_minicpm_without_scale_keys_takes_llamacpp_defaults(tmp_path):
+    """llama.cpp's loader gives a MiniCPM GGUF without minicpm.embedding_scale / residual_scale /
+    logit_scale the scales of the original model (12, 1.4 / sqrt(n_layer), and logits divided by
+    256 / n_embd); written keys win. The forward applies them as the numpy reference does."""
+    bare = open_gguf(write_tiny_llama(tmp_path / "bare.gguf", arch="minicpm", n_layer=4, n_embd=64))
+    spec = spec_from_gguf(bare)
+    assert (spec.embed_scale, spec.residual_scale, spec.logit_scale) == (12.0, 1.4 / 2.0, 256.0 / 64)
+    keyed = open_gguf(write_tiny_llama(tmp_path / "keyed.gguf", arch="minicpm", n_layer=4, n_embd=64,
+                                       extra_metadata={"minicpm.embedding_scale": 3.0, "minicpm.residual_scale": 0.5,
+                                                       "minicpm.logit_scale": 2.0}))
+    k = spec_from_gguf(keyed)
+    assert (k.embed_scale, k.residual_scale, k.logit_scale) == (3.0, 0.5, 2.0)
+    llama = spec_from_gguf(open_gguf(write_tiny_llama(tmp_path / "llama.gguf", n_layer=4, n_embd=64)))
+    assert (llama.embed_scale, llama.residual_scale, llama.logit_scale) == (1.0, 1.0, 1.0)
+    tokens = Tokenizer.from_gguf(bare).encode(TEXT_A)
+    runner = ModelRunner(spec, numerics_for(bare, spec, "exact"), load_params(bare, spec), n_slots=1, ctx=CTX)
+    ours = np.asarray(runner.prefill(0, tokens, 0, all_logits=True))
+    np.testing.assert_allclose(ours, NumpyLlama(bare, spec).logits(tokens), atol=TOL, rtol=0)
