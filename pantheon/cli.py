@@ -378,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the variable keeps it out of the process list)")
     s.add_argument("--models-dir", default=None,
                    help="POST /admin/models/load opens only files under this folder (default $PANTHEON_MODELS_DIR)")
+    s.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help="the access log: one line per request, text or JSON (default $PANTHEON_ACCESS_LOG, else text)")
+    s.add_argument("--quiet", action="store_true", help="no access log")
+    s.add_argument("--trace-requests", action="store_true",
+                   help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG")
     s.set_defaults(func=cmd_serve)
     return p
 

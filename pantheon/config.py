@@ -18,6 +18,7 @@ ENV_COMPILE_CACHE = "PANTHEON_COMPILE_CACHE"
 ENV_MAX_BODY_BYTES = "PANTHEON_MAX_BODY_BYTES"
 ENV_ADMIN_TOKEN = "PANTHEON_ADMIN_TOKEN"  # set: /admin/* needs Authorization: Bearer <token>
 ENV_MODELS_DIR = "PANTHEON_MODELS_DIR"  # set: /admin/models/load opens only files under it
+ENV_ACCESS_LOG = "PANTHEON_ACCESS_LOG"  # text (default), json or off: one line per request (web/observe.py)
 
 DEFAULT_CTX_CAP = 4096
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 request_too_large (not session restore)
@@ -83,6 +84,7 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_token: str | None = None  # None: /admin/* open (the contract's default)
     models_dir: str | None = None  # None: /admin/models/load opens any path
+    access_log: str = "text"  # "text", "json" or "off" (web/observe.py)
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -94,7 +96,8 @@ class ServeConfig:
                    max_concurrent=_env_int(ENV_MAX_CONCURRENT), reasoning_budget=_env_int(ENV_REASONING_BUDGET),
                    max_body_bytes=_env_int(ENV_MAX_BODY_BYTES) or DEFAULT_MAX_BODY_BYTES,
                    admin_token=os.environ.get(ENV_ADMIN_TOKEN) or None,
-                   models_dir=os.environ.get(ENV_MODELS_DIR) or None)
+                   models_dir=os.environ.get(ENV_MODELS_DIR) or None,
+                   access_log=(os.environ.get(ENV_ACCESS_LOG) or "text").strip().lower())
 
     def model_config(self, path: str, name: str | None) -> ModelConfig:
         served = name or Path(path).name.removesuffix(".gguf")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 
 import jax
 import numpy as np
 import time
+from collections import deque
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -25,6 +27,7 @@ from pantheon.engine import blob as session_blob
 from pantheon.config import session_host_bytes
 from pantheon.engine.sessions import CapacityError, HostBudget, Parked, SessionError, SlotTable, process_host_budget
 from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
+from pantheon.model.dtypes import backend_of, compute_dtype
 from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
 from pantheon.model.state import POSITIONAL
@@ -35,6 +38,34 @@ from pantheon.text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "BusyError"]
 DEFAULT_PREFILL_TOK_S = 500.0  # before a prefill has been measured (SmolLM2, 2 CPU cores)
+
+
+class Throughput:
+    """Tokens and device-step seconds per kind ("prefill": steps that only prefilled; "decode":
+    steps with decode rows, mixed ones included): totals since start, and rates over the last
+    `window_s` seconds. Written by the device thread, read by /metrics (plain ints and floats:
+    a reader sees a consistent-enough snapshot)."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self.tokens = {"prefill": 0, "decode": 0}
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self._recent: dict[str, deque] = {"prefill": deque(), "decode": deque()}
+
+    def record(self, kind: str, tokens: int, seconds: float) -> None:
+        self.tokens[kind] += tokens
+        self.seconds[kind] += seconds
+        recent = self._recent[kind]
+        recent.append((time.monotonic(), tokens, seconds))
+        while recent and recent[0][0] < time.monotonic() - self.window_s:
+            recent.popleft()
+
+    def rate(self, kind: str) -> float:
+        """Tokens per second of device time over the window (0 when nothing ran in it)."""
+        cutoff = time.monotonic() - self.window_s
+        recent = [r for r in list(self._recent[kind]) if r[0] >= cutoff]
+        seconds = sum(r[2] for r in recent)
+        return sum(r[1] for r in recent) / seconds if seconds > 0 else 0.0
 
 
 class Engine:
@@ -70,8 +101,10 @@ class Engine:
         self.numerics = family.numerics_for(self.gguf, self.spec, numerics)
         self.registry = GraphRegistry()
         self.device = device
-        params = family.load_params(self.gguf, self.spec, device=device)
-        self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device)
+        self.dtype = compute_dtype(backend_of(device))  # bf16 on a GPU, f32 on the CPU (model/dtypes.py)
+        params = family.load_params(self.gguf, self.spec, dtype=self.dtype, device=device)
+        self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device,
+                                  dtype=self.dtype)
         # Idle sessions move to host memory (the process-wide PN_SESSION_HOST_BYTES budget) rather
         # than lock the model out or lose their KV; see pantheon/engine/sessions.py.
         self.table = SlotTable(n_slots, max_sessions, can_truncate=family.can_truncate, idle_ttl_s=idle_ttl_s,
@@ -85,6 +118,7 @@ class Engine:
         self.weight_bytes = params_nbytes(params)
         self.kv_bytes = self.runner.cache.nbytes
         self._prefill = (0, 0.0)  # tokens, seconds of measured prefills
+        self.throughput = Throughput()  # prefill and decode tokens and step seconds (/metrics)
         self._weights_version: int | None = None
         self._grammar_factory = None
 
@@ -119,14 +153,18 @@ class Engine:
         return self.weight_bytes + self.kv_bytes
 
     def bytes_per_device(self) -> dict[int, int]:
-        """Device buffer bytes of this model per device id (weights, KV/state, sampler state)."""
+        """Device buffer bytes of this model per device id (weights, KV/state, sampler state).
+
+        From each array's shape and sharding only: any thread may ask while the device thread
+        donates buffers to a step (a donated array's data is gone, its metadata is not)."""
         out: dict[int, int] = {}
         leaves = jax.tree_util.tree_leaves((self.runner.params, self.runner.cache, self.runner.sampler_state))
         for a in leaves:
             if not isinstance(a, jax.Array):  # host-resident KV (the allocation fallback)
                 continue
-            for shard in a.addressable_shards:
-                out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+            shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+            for device in a.sharding.device_set:
+                out[device.id] = out.get(device.id, 0) + shard
         return out
 
     # ---- text helpers -----------------------------------------------------------------------------
@@ -140,6 +178,10 @@ class Engine:
     def record_prefill(self, tokens: int, seconds: float) -> None:
         n, s = self._prefill
         self._prefill = (n + tokens, s + seconds)
+        self.throughput.record("prefill", tokens, seconds)
+
+    def record_decode(self, tokens: int, seconds: float) -> None:
+        self.throughput.record("decode", tokens, seconds)
 
     def prefill_rate(self) -> float:
         n, s = self._prefill

@@ -65,6 +65,7 @@ class RequestEnd:
     kv_used: int
     cached_tokens: int = 0
     session_conflict: bool = False
+    timing: dict | None = None  # RequestState.timing(): prefill chunks, decode steps, detok time
 
 
 @dataclass

@@ -175,8 +175,17 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - a failed step fails its own requests, never the thread
             self._step_failed(plan, e)
             return True
+        dt = time.perf_counter() - t0
         if plan.chunk and not plan.decode:
-            self.engine.record_prefill(len(plan.chunk), time.perf_counter() - t0)
+            self.engine.record_prefill(len(plan.chunk), dt)
+        elif plan.decode:
+            self.engine.record_decode(len(plan.decode), dt)
+        if plan.prefill is not None:
+            plan.prefill.state.prefill_chunks += 1
+            plan.prefill.state.prefill_s += dt
+        for st in {id(s.state): s.state for s in plan.decode}.values():
+            st.decode_steps += 1
+            st.decode_s += dt
         self.postprocess(plan, out)
         return True
 
@@ -339,12 +348,15 @@ class Scheduler:
     def _accept(self, seq: Sequence, out, row: int) -> None:
         if seq not in self.running:  # its request failed earlier in this step
             return
+        t0 = time.perf_counter()
         try:
             top = ([(int(a), float(b)) for a, b in zip(out.top_ids[row], out.top_logprobs[row])]
                    if seq.params.logprobs else [])
             outcome: Outcome = seq.accept(int(out.tokens[row]), float(out.logprob[row]), top, self.policy)
         except Exception as e:  # noqa: BLE001 - a fault in one choice's text handling fails that request
             return self._fail(seq.state, server_error("generation failed while handling a token", e))
+        finally:
+            seq.state.text_s += time.perf_counter() - t0
         if outcome.finish is not None:
             return self._finish(seq, outcome.finish, outcome.delta)
         self._emit(seq, outcome.delta)
@@ -402,7 +414,8 @@ class Scheduler:
         if st.remaining == 0:
             if not st.failed and not st.request.cancelled.is_set():
                 conflict = self.table.take_conflict(st.request.session_id)
-                st.emit(RequestEnd(len(st.request.prompt_ids), st.completion_tokens, st.kv_used, st.cached, conflict))
+                st.emit(RequestEnd(len(st.request.prompt_ids), st.completion_tokens, st.kv_used, st.cached, conflict,
+                                   st.timing()))
             st.emit(None)  # end of stream
             self._unreserve()
 

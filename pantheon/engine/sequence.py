@@ -40,6 +40,18 @@ class RequestState:
     kv_used: int = 0
     cached: int = 0
     failed: bool = False
+    # where its time went, for the request's trace line (web/observe.py): device steps it took part
+    # in and their seconds, and the host time spent turning its tokens into text (detok, stops, tools)
+    prefill_chunks: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    text_s: float = 0.0
+
+    def timing(self) -> dict:
+        ms = lambda s: round(s * 1e3, 2)  # noqa: E731
+        return {"prefill_chunks": self.prefill_chunks, "prefill_ms": ms(self.prefill_s),
+                "decode_steps": self.decode_steps, "decode_step_ms": ms(self.decode_s), "detok_ms": ms(self.text_s)}
 
 
 @dataclass

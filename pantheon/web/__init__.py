@@ -19,6 +19,7 @@ from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backe
 from pantheon.engine.events import failure_message
 from pantheon.engine.pool import ModelPool, PoolError
 from pantheon.web.errors import ApiError, LimitedRequest, error_response
+from pantheon.web.observe import note
 
 log = logging.getLogger("pantheon.web")
 
@@ -85,12 +86,18 @@ class ServerState:
 
 
 def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Quart:
-    from pantheon.web import admin_routes, openai_routes, session_routes, test_hooks
+    from pantheon.web import admin_routes, dashboard, metrics, openai_routes, session_routes, test_hooks
+    from pantheon.web.observe import AccessLog, configure_access_log
 
     app = Quart("pantheon")
     app.pantheon = state = ServerState(config or ServeConfig.from_env())
-    for bp in (openai_routes.bp, admin_routes.bp, session_routes.bp, test_hooks.bp):
+    for bp in (openai_routes.bp, admin_routes.bp, session_routes.bp, test_hooks.bp, metrics.bp, dashboard.bp):
         app.register_blueprint(bp)
+    # One access-log line and the request metrics per request, at the ASGI level: the status sent
+    # and the end of the body (a stream's last chunk), whatever route or error produced it.
+    state.metrics = metrics.Metrics(state)
+    configure_access_log(state.config.access_log)
+    app.asgi_app = AccessLog(app.asgi_app, state.config.access_log, state.metrics)
 
     app.request_class = LimitedRequest
     app.config["MAX_CONTENT_LENGTH"] = state.config.max_body_bytes
@@ -116,6 +123,7 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
 
     @app.before_request
     async def preflight():
+        note(route=request.url_rule.rule if request.url_rule else None)
         if request.method == "OPTIONS":  # answered before any auth check: a preflight carries no token
             asked = request.headers.get("Access-Control-Request-Headers")
             return {}, 200, {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
@@ -124,6 +132,8 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         # The matched rule as well as the raw path: no spelling of a path (//admin/...) reaches an
         # admin route unguarded.
         paths = (request.path, request.url_rule.rule if request.url_rule else "")
+        if paths[1] == dashboard.PATH:  # a static page without data: its script sends the token
+            return None
         if state.config.admin_token and any(p.lstrip("/").split("/", 1)[0] == "admin" for p in paths):
             if not admin_authorized(request.headers.get("Authorization"), state.config.admin_token):
                 return error_response(401, "unauthorized", "this route needs Authorization: Bearer <admin token> "

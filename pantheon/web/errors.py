@@ -36,6 +36,9 @@ def error_body(type_: str, message: str, **extra) -> dict:
 
 
 def error_response(status: int, type_: str, message: str, headers: dict | None = None, **fields) -> Response:
+    from pantheon.web.observe import note
+
+    note(error=type_)  # the access log names the refusal
     return Response(json.dumps(error_body(type_, message, **fields)), status=status, headers=headers or {},
                     content_type="application/json")
 

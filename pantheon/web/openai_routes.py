@@ -15,6 +15,7 @@ from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, Reque
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
 from pantheon.web.errors import ApiError, error_body, invalid, json_body
+from pantheon.web.observe import current_record, mark, note, observe_events
 from pantheon.web.rows import public_row
 
 bp = Blueprint("openai", __name__)
@@ -43,6 +44,7 @@ async def chat_completions():
     try:
         chat = parse_chat_request(await json_body(), request.headers.get("X-Session-Id"))
         engine = state.resolve(chat.model, chat.session_id)
+        note(model=engine.name, session=chat.session_id)
         kv_cap = engine.effective_ctx
         try:
             # Rendering, tokenizing and grammar compiles are CPU work: off the event loop.
@@ -57,7 +59,8 @@ async def chat_completions():
             # deliberate, additive departure: the contract streams it as 200 + an SSE error event,
             # which stays for errors found after the stream opened).
             raise ApiError(422, "context_over_budget", str(e), kv_used=e.tokens, kv_cap=e.kv_cap) from None
-        events = engine.submit(plan.request)
+        mark("planned")
+        events = observe_events(engine.submit(plan.request), current_record(), state.metrics)
         await _admitted(events, engine)
     finally:
         state.admitting -= 1

@@ -81,7 +81,8 @@ def config_from_args(args) -> ServeConfig:
                        reasoning_budget=pick(args.reasoning_budget, env.reasoning_budget), dies=dies,
                        numerics=args.numerics, max_body_bytes=env.max_body_bytes,
                        admin_token=getattr(args, "admin_token", None) or env.admin_token,
-                       models_dir=getattr(args, "models_dir", None) or env.models_dir)
+                       models_dir=getattr(args, "models_dir", None) or env.models_dir,
+                       access_log="off" if getattr(args, "quiet", False) else getattr(args, "log_format", None) or env.access_log)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
@@ -108,6 +109,8 @@ def serve(args) -> int:
     from pantheon.web import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "trace_requests", False):
+        logging.getLogger("pantheon.trace").setLevel(logging.DEBUG)
     config = config_from_args(args)
     if warning := exposure_warning(config):
         print(warning, file=sys.stderr)

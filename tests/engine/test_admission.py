@@ -45,9 +45,9 @@ def test_q3k_experts_are_charged_as_blocks(tmp_path):
 
 def test_an_accelerator_admits_against_its_dies_budget(tmp_path, monkeypatch):
     path = write_tiny_llama(tmp_path / "m.gguf")
-    need = estimate_device_bytes(str(path), 4096, 5)
     config = ModelConfig(path=str(path), name="m")
     monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+    need = estimate_device_bytes(str(path), 4096, 5)  # in the GPU's compute dtype (bf16)
     die = lambda budget: [Die(0, 0, "gpu", budget, 0, "device")]
     monkeypatch.setattr(pool_mod, "visible_dies", lambda: die(4 * need))
     pool = ModelPool()
@@ -87,11 +87,30 @@ def test_a_35b_a3b_shaped_model_is_admitted_on_an_h200_die_only_with_q3k_experts
     monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
     monkeypatch.setattr(pool_mod, "visible_dies", lambda: [Die(0, 0, "gpu", 141 * 10 ** 9, 0, "device")])
     pool, config = ModelPool(), ModelConfig(path="synthetic", name="qwen35-35b-a3b")
-    q3k = pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q3_K), 40, 2, 256, 32768, 4)
+    q3k = pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q3_K), 40, 2, 256, 32768, 4, itemsize=4)
     assert 20e9 < q3k < 60e9  # experts in blocks (~14 GB), the rest f32, KV for 5 x 32k positions
     pool.check_fits(config, q3k)
-    f32 = pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q5_K), 40, 2, 256, 32768, 4)
+    bf16 = pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q3_K), 40, 2, 256, 32768, 4, itemsize=2)
+    assert 14e9 < bf16 < 0.7 * q3k  # the GPU's compute dtype (model/dtypes.py) halves all but the blocks
+    pool.check_fits(config, bf16)
+    f32 = pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q5_K), 40, 2, 256, 32768, 4, itemsize=4)
     assert f32 > 130e9  # experts of another type are dequantized: ~129 GB of them alone
     with pytest.raises(PoolError) as e:
         pool.check_fits(config, f32)
     assert e.value.status == 507
+
+
+def test_bytes_per_device_survives_buffers_donated_by_a_running_step(tmp_path):
+    """/admin/dies and /metrics ask from the event loop while the device thread donates the cache
+    and sampler state to a step: the count comes from shapes and shardings, never from buffers
+    that may already be gone (found by the dashboard polling during traffic: 'Array has been
+    deleted')."""
+    from pantheon.engine.engine import Engine
+
+    engine = Engine(write_tiny_llama(tmp_path / "m.gguf"), ctx_cap=64, max_sessions=1)
+    before = engine.bytes_per_device()
+    assert sum(before.values()) == params_nbytes(engine.runner.params) + engine.runner.cache.nbytes + sum(
+        a.nbytes for a in jax.tree_util.tree_leaves(engine.runner.sampler_state))
+    for a in engine.runner.cache.k + jax.tree_util.tree_leaves(engine.runner.sampler_state):
+        a.delete()  # what a donating step leaves behind until it replaces them
+    assert engine.bytes_per_device() == before
