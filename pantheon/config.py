@@ -18,6 +18,7 @@ ENV_COMPILE_CACHE = "PANTHEON_COMPILE_CACHE"
 ENV_MAX_BODY_BYTES = "PANTHEON_MAX_BODY_BYTES"
 ENV_ADMIN_TOKEN = "PANTHEON_ADMIN_TOKEN"  # set: /admin/* needs Authorization: Bearer <token>
 ENV_MODELS_DIR = "PANTHEON_MODELS_DIR"  # set: /admin/models/load opens only files under it
+ENV_WARMUP = "PANTHEON_WARMUP"  # "0": compile on first use instead of at load (tests)
 ENV_ACCESS_LOG = "PANTHEON_ACCESS_LOG"  # text (default), json or off: one line per request (web/observe.py)
 
 DEFAULT_CTX_CAP = 4096
@@ -131,6 +132,7 @@ class EngineEnv:
     queue_depth: int = DEFAULT_QUEUE_DEPTH
     idle_ttl_s: float = 12 * 3600
     watch_grace_s: float = 45.0
+    warm_up: bool = True  # compile every prefill bucket and decode step at load (runner.warm_up)
 
     @classmethod
     def from_env(cls) -> EngineEnv:
@@ -138,4 +140,5 @@ class EngineEnv:
         return cls(batching=os.environ.get(ENV_BATCH_SLOTS, "1").strip() != "0",
                    queue_depth=DEFAULT_QUEUE_DEPTH if depth is None else max(depth, 0),
                    idle_ttl_s=12 * 3600 if ttl is None else ttl / 1000,
-                   watch_grace_s=45.0 if grace is None else grace / 1000)
+                   watch_grace_s=45.0 if grace is None else grace / 1000,
+                   warm_up=os.environ.get(ENV_WARMUP, "1").strip() != "0")

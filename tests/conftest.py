@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# Models load without the compile warm-up (runner.warm_up: ~4 s warm, ~20 s cold per model) unless
+# a test asks for it: the suite loads dozens of models, and inherits this into its live servers.
+os.environ.setdefault("PANTHEON_WARMUP", "0")
+
 REPO = Path(__file__).resolve().parents[1]
 # llama.cpp's recorded outputs; PANTHEON_REFERENCE_DIR may point at another copy with the same layout.
 REFERENCE = Path(os.environ.get("PANTHEON_REFERENCE_DIR") or REPO / "tests" / "data")

@@ -25,7 +25,8 @@ from pantheon.engine.faults import FAULTS, InjectedFault
 log = logging.getLogger(__name__)
 
 
-def _abstract(x):
+def abstract(x):
+    """An array's ShapeDtypeStruct (with its sharding); anything else unchanged."""
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     if hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -90,9 +91,22 @@ class GraphRegistry:
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
-                exe_key = (id(fn), key.kind, key.program, key.bucket, tuple(sorted(static.items(), key=str)))
-                slot = self._slots[key] = _Slot(self._exes.setdefault(exe_key, _Executable()))
+                slot = self._slots[key] = _Slot(self._exe(key, fn, static))
             return slot
+
+    def _exe(self, key: GraphKey, fn: Callable, static: dict) -> _Executable:
+        exe_key = (id(fn), key.kind, key.program, key.bucket, tuple(sorted(static.items(), key=str)))
+        return self._exes.setdefault(exe_key, _Executable())
+
+    def precompile(self, key: GraphKey, fn: Callable, args: tuple, static: dict | None = None) -> None:
+        """Compile `key`'s program ahead of its first call (the warm-up after load), from abstract
+        args. No slot is created: the counters' `total` counts slots a forward has reached, and
+        the first real call finds its executable live. A failure here is counted like any other."""
+        static = static or {}
+        with self._lock:
+            exe = self._exe(key, fn, static)
+        if exe.compiled is None and not exe.gave_up:
+            self._compile(key, exe, fn, args, static)
 
     def executable(self, key: GraphKey, fn: Callable, args: tuple, static: dict | None = None):
         """The compiled executable of `key`'s program (compiled now if due), or None when it is not
@@ -122,7 +136,7 @@ class GraphRegistry:
             exe.next_retry = time.monotonic() + self.backoff_s * 2 ** (exe.failures - 1)
             exe.gave_up = exe.failures >= self.max_retries
             if exe.retry is None:  # shapes only: a retry must not keep (donated) buffers alive
-                exe.retry = (fn, jax.tree_util.tree_map(_abstract, args), static, key)
+                exe.retry = (fn, jax.tree_util.tree_map(abstract, args), static, key)
             log.warning("compile of %s failed (%d/%d): %s", key, exe.failures, self.max_retries, e)
         exe.compile_s += time.perf_counter() - t0
 

@@ -163,6 +163,9 @@ class ModelPool:
                                       batching=env.batching, queue_depth=env.queue_depth,
                                       numerics=config.numerics, reasoning_budget=config.reasoning_budget,
                                       device=device, idle_ttl_s=env.idle_ttl_s, watch_grace_s=env.watch_grace_s)
+                if env.warm_up:  # before READY: no request waits for a compile (runner.warm_up)
+                    seconds = entry.engine.runner.warm_up()
+                    log.info("%s: compiled its prefill buckets and decode steps in %.1f s", config.name, seconds)
                 entry.engine.start()
             entry.state = READY
             return entry

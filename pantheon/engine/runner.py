@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.faults import FAULTS, InjectedFault
-from pantheon.engine.graphs import GraphKey, GraphRegistry
+from pantheon.engine.graphs import GraphKey, GraphRegistry, abstract
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
 from pantheon.model import kernels as kern
@@ -262,6 +262,15 @@ class ModelRunner:
             b *= 2
         return min(b, self.ctx)
 
+    def _program_key(self, kind: str, name: str, layer: int, batch: int, chunk: int, static: dict) -> GraphKey:
+        # Key each program by what it is compiled for — the head by all_logits, attention blocks
+        # by the kv_len they are traced with (the cache length where they read it in place, see
+        # kernels.program_kv_len) — so no identical executable is built twice.
+        bucket = (batch, chunk) + ((static["all_logits"],) if name == "head" else
+                                   (static["kv_len"],) if "kv_len" in static else ())
+        return GraphKey(kind, graph_class(kind, name, batch), bucket, layer if name not in ("embed", "head") else -1,
+                        name)
+
     def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False):
         batch, chunk = tokens.shape
         seen: dict[str, int] = {}
@@ -273,12 +282,7 @@ class ModelRunner:
             layer = seen[name] = seen.get(name, -1) + 1  # the i-th call of a per-layer program
             if faulted and layer == 1:
                 raise InjectedFault(f"injected device step failure ({kind}, layer program {name!r})")
-            # Only the head depends on all_logits and only attention blocks on kv_len: key each
-            # program by what it was compiled for, so no identical executable is built twice.
-            bucket = (batch, chunk) + ((all_logits,) if name == "head" else
-                                       (kv_len,) if name in self.family.kv_programs else ())
-            key = GraphKey(kind, graph_class(kind, name, batch), bucket,
-                           layer if name not in ("embed", "head") else -1, name)
+            key = self._program_key(kind, name, layer, batch, chunk, static)
             return self.registry.call(key, fn, args, static)
 
         params = self.decode_params if kind == "decode" else self.prefill_params
@@ -286,6 +290,47 @@ class ModelRunner:
                                                  spec=self.spec, numerics=self.numerics, kv_len=kv_len,
                                                  all_logits=all_logits, call=call)
         return logits
+
+    def warm_up(self) -> float:
+        """Compile, from abstract shapes, what serving calls on first use: every prefill chunk
+        bucket's programs and the sampler after it, and the full decode step with the sampler
+        inlined for every batch bucket. Otherwise the first prompt of each new length, and the
+        first step at each new concurrency, would wait for a compile (0.1-1 s each on the CPU,
+        even from the persistent cache): the TTFT spikes of the first requests. Nothing runs and
+        no state changes. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        shapes = lambda tree: jax.tree_util.tree_map(abstract, tree)  # noqa: E731
+        cache = shapes(self.cache)  # fresh lists: the forward's in-place layer updates stay here
+
+        for chunk in CHUNK_BUCKETS:
+            if chunk > self.ctx:
+                break
+            seen: dict[str, int] = {}
+
+            def call(name, fn, args, static, chunk=chunk):
+                layer = seen[name] = seen.get(name, -1) + 1
+                key = self._program_key("prefill", name, layer, 1, chunk, static)
+                self.registry.precompile(key, fn, args, static)
+                return jax.eval_shape(lambda *a: fn(*a, **static), *args)
+
+            i32 = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+            one = jax.ShapeDtypeStruct((1,), jnp.int32)
+            self.family.forward(shapes(self.prefill_params), cache, i32, i32, one, one, spec=self.spec,
+                                numerics=self.numerics, kv_len=self.kv_bucket(chunk), all_logits=False, call=call)
+        sampling = SlotSampling(SamplingParams(), np.zeros(2, np.uint32))
+        logits = jax.ShapeDtypeStruct((1, self.spec.n_vocab), jnp.float32)
+        sargs, want_top = self._sample_args(1, [self.scratch], [sampling], None, None, advance=False)
+        self.registry.precompile(GraphKey("sample", "segment", (1, want_top, False), program="sample"), sample,
+                                 shapes((logits, self.sampler_state, *sargs)), dict(want_top=want_top))
+        if self.full_step:
+            for b in (b for b in DECODE_BUCKETS if b <= bucket_for(self.n_slots, DECODE_BUCKETS)):
+                ids, pos, rows, logit_index = self._decode_inputs([self.scratch] * b, [0] * b, [0] * b)
+                sargs, want_top = self._sample_args(b, [self.scratch] * b, [sampling] * b, None, None, advance=False)
+                args = (self.decode_params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
+                self.registry.precompile(GraphKey("decode", "segment", (b, want_top), program="step_sample"),
+                                         full_step_and_sample, shapes(args),
+                                         dict(self._step_static(), want_top=want_top))
+        return time.perf_counter() - t0
 
     def prefill(self, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> jax.Array:
         """Write `tokens` at positions start.. of `slot`, in chunks. Returns the logits of the last
