@@ -127,7 +127,13 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     tokens = g.get("tokenizer.ggml.tokens")
     n_vocab = key("vocab_size", len(tokens) if isinstance(tokens, list) else 0)
     n_ff = key("feed_forward_length", required=True)
+    _check_dense_variant(g, arch)
     ctx_train = key("context_length", 4096)
+    window = key("attention.sliding_window", None)
+    if window is not None and window > 0:
+        # Sliding-window attention (Mistral v0.1, Phi-3): within the window it is full causal
+        # attention, so the window caps the context instead of being implemented.
+        ctx_train = min(ctx_train, window)
     rope_dim = key("rope.dimension_count", head_dim)
     _check_ranges(g, arch, attention__key_length=head_dim, feed_forward_length=n_ff, vocab_size=n_vocab)
     _check_context(g, arch, ctx_train)
@@ -147,6 +153,26 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     )
     _check_shapes(g, spec)
     return spec
+
+
+# Variants of the dense architectures this forward does not implement: refused at load with the
+# reason, instead of running them wrong.
+_UNSUPPORTED_TENSORS = {
+    "rope_freqs.weight": "per-frequency rope factors (Llama 3.1-style rope scaling)",
+    "rope_factors_long.weight": "LongRoPE factors (Phi-3 long-context variants)",
+    "rope_factors_short.weight": "LongRoPE factors (Phi-3 long-context variants)",
+}
+
+
+def _check_dense_variant(g: GGUFFile, arch: str) -> None:
+    scaling = g.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None, ""):
+        raise GGUFError(f"{g.path}: {arch}.rope.scaling.type {scaling!r} is not supported (only unscaled rope)")
+    for name, what in _UNSUPPORTED_TENSORS.items():
+        if name in g.tensors:
+            raise GGUFError(f"{g.path}: tensor {name!r}: {what} are not supported")
+    if "blk.0.ffn_gate_inp.weight" in g.tensors:
+        raise GGUFError(f"{g.path}: {arch} with routed experts (ffn_gate_inp) is not supported")
 
 
 def _scales(key, arch: str, n_layer: int, n_embd: int) -> dict[str, float]:

@@ -15,6 +15,7 @@ import pytest
 
 from pantheon.engine.runner import ModelRunner
 from pantheon.gguf import open_gguf
+from pantheon.gguf.reader import GGUFError
 from pantheon.model.numerics import NONE, Q8_0, Q8_K, F16
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM, spec_from_gguf
 from pantheon.model.weights import load_params, numerics_for
@@ -194,3 +195,22 @@ def test_minicpm_without_scale_keys_takes_llamacpp_defaults(tmp_path):
     runner = ModelRunner(spec, numerics_for(bare, spec, "exact"), load_params(bare, spec), n_slots=1, ctx=CTX)
     ours = np.asarray(runner.prefill(0, tokens, 0, all_logits=True))
     np.testing.assert_allclose(ours, NumpyLlama(bare, spec).logits(tokens), atol=TOL, rtol=0)
+
+
+# ---- dense variants this forward does not implement are refused, sliding windows cap the context ---------------
+@pytest.mark.parametrize("change, message", [
+    (dict(extra_metadata={"llama.rope.scaling.type": "yarn"}), "rope.scaling.type 'yarn' is not supported"),
+    (dict(tensor_overrides={"rope_freqs.weight": np.ones(8, np.float32)}), "rope_freqs.weight"),
+    (dict(arch="phi3", tensor_overrides={"rope_factors_long.weight": np.ones(8, np.float32)}), "LongRoPE"),
+    (dict(tensor_overrides={"blk.0.ffn_gate_inp.weight": np.ones((4, 64), np.float32)}), "routed experts"),
+])
+def test_unimplemented_dense_variants_are_refused(tmp_path, change, message):
+    g = open_gguf(write_tiny_llama(tmp_path / "v.gguf", **change))
+    with pytest.raises(GGUFError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        spec_from_gguf(g)
+
+
+def test_a_sliding_window_caps_the_context(tmp_path):
+    g = open_gguf(write_tiny_llama(tmp_path / "w.gguf", arch="mistral",
+                                   extra_metadata={"mistral.attention.sliding_window": 96}))
+    assert spec_from_gguf(g).ctx_train == 96
