@@ -1,4 +1,4 @@
-"""Command line: serve | generate | tokenize | bench | profile | --backend."""
+"""Command line: serve | router | generate | tokenize | bench | profile | --backend."""
 
 from __future__ import annotations
 
@@ -166,6 +166,25 @@ def _start_bench_server(path: str, concurrency: int, args):
     raise RuntimeError("the bench server did not come up in 300 s")
 
 
+def cmd_router(args) -> int:
+    import asyncio
+    import logging
+    import os
+
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    from pantheon.router import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hc = Config()
+    hc.bind = [f"{args.host}:{args.port}"]
+    hc.graceful_timeout = 5
+    asyncio.run(hypercorn_serve(create_app(args.instance_ttl, admin_token=os.environ.get("PANTHEON_ADMIN_TOKEN") or None),
+                                hc))
+    return 0
+
+
 def cmd_profile(args) -> int:
     from pathlib import Path
 
@@ -233,6 +252,13 @@ def _non_negative_float(text: str) -> float:
     value = _float(text)
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -381,9 +407,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=("text", "json"), default=None,
                    help="the access log: one line per request, text or JSON (default $PANTHEON_ACCESS_LOG, else text)")
     s.add_argument("--quiet", action="store_true", help="no access log")
+    s.add_argument("--router", default=None, metavar="URL",
+                   help="register with this router (pantheon router) and heartbeat to it (default $PANTHEON_ROUTER)")
+    s.add_argument("--advertise", default=None, metavar="URL",
+                   help="the URL the router reaches this instance at (default http://HOST:PORT)")
     s.add_argument("--trace-requests", action="store_true",
                    help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG")
     s.set_defaults(func=cmd_serve)
+
+    r = add("router", help="run the router that serve instances register with (pantheon.router)")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    r.add_argument("--port", type=_port, default=8090, help="port to listen on")
+    r.add_argument("--instance-ttl", type=_positive_float, default=10.0,
+                   help="seconds without a heartbeat after which an instance is no longer live")
+    r.set_defaults(func=cmd_router)
     return p
 
 

@@ -18,6 +18,8 @@ ENV_COMPILE_CACHE = "PANTHEON_COMPILE_CACHE"
 ENV_MAX_BODY_BYTES = "PANTHEON_MAX_BODY_BYTES"
 ENV_ADMIN_TOKEN = "PANTHEON_ADMIN_TOKEN"  # set: /admin/* needs Authorization: Bearer <token>
 ENV_MODELS_DIR = "PANTHEON_MODELS_DIR"  # set: /admin/models/load opens only files under it
+ENV_ROUTER = "PANTHEON_ROUTER"  # a router to register with (serve --router)
+ENV_ADVERTISE = "PANTHEON_ADVERTISE"  # the URL the router reaches this instance at (serve --advertise)
 ENV_WARMUP = "PANTHEON_WARMUP"  # "0": compile on first use instead of at load (tests)
 ENV_ACCESS_LOG = "PANTHEON_ACCESS_LOG"  # text (default), json or off: one line per request (web/observe.py)
 
@@ -86,6 +88,8 @@ class ServeConfig:
     admin_token: str | None = None  # None: /admin/* open (the contract's default)
     models_dir: str | None = None  # None: /admin/models/load opens any path
     access_log: str = "text"  # "text", "json" or "off" (web/observe.py)
+    router: str | None = None  # a router's URL to register with (web/registration.py)
+    advertise: str | None = None  # this instance's URL as the router should reach it (default http://host:port)
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -98,7 +102,8 @@ class ServeConfig:
                    max_body_bytes=_env_int(ENV_MAX_BODY_BYTES) or DEFAULT_MAX_BODY_BYTES,
                    admin_token=os.environ.get(ENV_ADMIN_TOKEN) or None,
                    models_dir=os.environ.get(ENV_MODELS_DIR) or None,
-                   access_log=(os.environ.get(ENV_ACCESS_LOG) or "text").strip().lower())
+                   access_log=(os.environ.get(ENV_ACCESS_LOG) or "text").strip().lower(),
+                   router=os.environ.get(ENV_ROUTER) or None, advertise=os.environ.get(ENV_ADVERTISE) or None)
 
     def model_config(self, path: str, name: str | None) -> ModelConfig:
         served = name or Path(path).name.removesuffix(".gguf")

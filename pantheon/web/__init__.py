@@ -34,6 +34,8 @@ class ServerState:
         self.startup_errors: list[str] = []
         self.admitting = 0  # chat requests past the shutdown check and not yet admitted by an engine
         self.fetching: list[str] = []  # served names whose file is still being fetched (the default model)
+        self.registration = None  # with --router: web/registration.Registration
+        self.drained: dict | None = None  # what the router moved when this instance drained
 
     def loading(self) -> list[str]:
         """Served names being fetched or loaded: `GET /`'s `loading`; chat answers 503 + Retry-After meanwhile."""
@@ -110,6 +112,12 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         configure_jax()
         if load_models:
             app.add_background_task(asyncio.to_thread, state.load_startup_models)
+        if state.config.router:
+            from pantheon.web.registration import Registration
+
+            advertise = state.config.advertise or f"http://{state.config.host}:{state.config.port}"
+            state.registration = Registration(state, state.config.router, advertise)
+            state.registration.start()
 
     @app.after_serving
     async def shut_down():
@@ -117,7 +125,7 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
 
         # Under hypercorn the drain ran before it stopped accepting; the turns it then cut (past
         # DRAIN_S) free their slots within a step. Another ASGI server: drain here, bounded.
-        await drain(state, 5.0 if state.shutting_down else DRAIN_S)
+        await drain(state, 5.0 if state.shutting_down else DRAIN_S)  # deregisters from a router first
         uninstall_drain(state)
         await asyncio.to_thread(state.pool.close)
 

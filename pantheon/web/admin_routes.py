@@ -93,6 +93,21 @@ async def admin_unload():
     return {"unloaded": name}
 
 
+@bp.route("/admin/drain", methods=["POST"])
+async def admin_drain():
+    """Take this instance out of service without losing a session: new chat requests get 503
+    server_shutting_down (a router retries them elsewhere), the turns in flight finish, and with
+    --router the idle sessions move to another replica (export -> restore) before it deregisters.
+    The process keeps running (stop it afterwards)."""
+    from pantheon.web.serve import drain
+
+    state = current_app.pantheon
+    await drain(state)
+    result = getattr(state, "drained", None) or {}
+    return {"drained": True, "router": state.config.router, "moved": result.get("moved", []),
+            "failed": result.get("failed", [])}
+
+
 @bp.route("/admin/dies", methods=["GET"])
 async def admin_dies():
     dies = visible_dies()

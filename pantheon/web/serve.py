@@ -31,10 +31,19 @@ async def drain(state, limit_s: float = DRAIN_S) -> None:
     state.shutting_down = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
-    if not state.idle():
-        log.info("shutting down: draining the turns in flight (at most %.0f s)", limit_s)
-    while not state.idle() and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+
+    async def wait_idle():
+        if not state.idle():
+            log.info("shutting down: draining the turns in flight (at most %.0f s)", limit_s)
+        while not state.idle() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    if getattr(state, "registration", None) is not None:
+        # with a router: it stops sending work here, the turns finish, the idle sessions move to
+        # another replica, then this instance deregisters (registration.leave)
+        state.drained = await state.registration.leave(wait_idle)
+    else:
+        await wait_idle()
 
 
 def install_drain(state) -> None:
@@ -82,7 +91,9 @@ def config_from_args(args) -> ServeConfig:
                        numerics=args.numerics, max_body_bytes=env.max_body_bytes,
                        admin_token=getattr(args, "admin_token", None) or env.admin_token,
                        models_dir=getattr(args, "models_dir", None) or env.models_dir,
-                       access_log="off" if getattr(args, "quiet", False) else getattr(args, "log_format", None) or env.access_log)
+                       access_log="off" if getattr(args, "quiet", False) else getattr(args, "log_format", None) or env.access_log,
+                       router=getattr(args, "router", None) or env.router,
+                       advertise=getattr(args, "advertise", None) or env.advertise)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
