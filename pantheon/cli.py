@@ -411,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="register with this router (pantheon router) and heartbeat to it (default $PANTHEON_ROUTER)")
     s.add_argument("--advertise", default=None, metavar="URL",
                    help="the URL the router reaches this instance at (default http://HOST:PORT)")
+    s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="one model over several processes/hosts: the jax.distributed coordinator (process 0's "
+                        "address); every process runs the same serve command with its --process-id")
+    s.add_argument("--num-processes", type=_positive_int, default=1, help="processes in all (with --coordinator)")
+    s.add_argument("--process-id", type=_non_negative_int, default=0,
+                   help="this process (0 serves HTTP; the others follow its steps)")
     s.add_argument("--trace-requests", action="store_true",
                    help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG")
     s.set_defaults(func=cmd_serve)
@@ -429,6 +435,9 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     sp = parser._subparsers._group_actions[0].choices.get(args.command)  # its prog names the subcommand
     if args.command == "bench" and (args.against or args.url) and not args.concurrency:
         sp.error("--against and --url measure over HTTP: give --concurrency too, e.g. 1,4,8")
+    if args.command == "serve" and (args.coordinator or args.num_processes > 1 or args.process_id):
+        if not args.coordinator or args.num_processes < 2 or args.process_id >= args.num_processes:
+            sp.error("--coordinator HOST:PORT needs --num-processes N >= 2 and --process-id in [0, N)")
     if args.command != "generate":
         return
     if args.tokens is None:

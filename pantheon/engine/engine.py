@@ -208,6 +208,9 @@ class Engine:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        if self.runner.mirror is not None:  # the followers of a multi-process model leave too
+            self.runner.mirror.send(None)
+            self.runner.mirror = None
 
     @property
     def busy(self) -> bool:
@@ -287,8 +290,14 @@ class Engine:
         return {k: a[:n_tok] if k.split(".")[0] in POSITIONAL else a for k, a in arrays.items()}
 
     # ---- session export / restore (device thread: run through `call`) -------------------------------
+    def _single_process(self) -> None:
+        if jax.process_count() > 1:  # a slot's KV is spread over the processes' dies
+            raise SessionError(400, "invalid_request_error", "session export/restore is not available for a "
+                                                             "model spanning several processes")
+
     def export_session(self, session_id: str) -> dict:
         """The id's most recently used conversation, from its slot or from the host tier."""
+        self._single_process()
         if session_id not in self.table.sessions:
             raise SessionError(404, "session_not_found", f"no live session {session_id!r}")
         if self.table.session_busy(session_id):
@@ -305,6 +314,7 @@ class Engine:
                 "blob_bytes": len(data), "blob": data, "tokens": list(conv.tokens)}
 
     def restore_session(self, session_id: str, data: bytes, tokens: list[int]) -> dict:
+        self._single_process()
         try:
             header, arrays = session_blob.unpack(data)
         except session_blob.BlobError as e:

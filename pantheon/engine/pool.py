@@ -163,6 +163,12 @@ class ModelPool:
                                       batching=env.batching, queue_depth=env.queue_depth,
                                       numerics=config.numerics, reasoning_budget=config.reasoning_budget,
                                       device=device, idle_ttl_s=env.idle_ttl_s, watch_grace_s=env.watch_grace_s)
+                import jax
+
+                if jax.process_count() > 1 and jax.process_index() == 0:  # engine/distributed.py
+                    from pantheon.engine.distributed import StepChannel
+
+                    entry.engine.runner.mirror = StepChannel()
                 if env.warm_up:  # before READY: no request waits for a compile (runner.warm_up)
                     seconds = entry.engine.runner.warm_up()
                     log.info("%s: compiled its prefill buckets and decode steps in %.1f s", config.name, seconds)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +232,17 @@ class SlotSampling:
     step: int = 0
 
 
+def _mirrored(method):
+    """A call that changes device state: with a StepChannel (`mirror`, one model over several
+    processes, engine/distributed.py) it is broadcast first, so every process replays it in order."""
+    @wraps(method)
+    def call(self, *args, _replay: bool = False):
+        if self.mirror is not None and not _replay:
+            self.mirror.send((method.__name__, args))
+        return method(self, *args)
+    return call
+
+
 class ModelRunner:
     def __init__(self, spec: ModelSpec, numerics: Numerics, params, n_slots: int, ctx: int,
                  registry: GraphRegistry | None = None, device=None, dtype=jnp.float32):
@@ -255,6 +266,15 @@ class ModelRunner:
         self.scratch = n_slots  # the extra cache slot padded rows write to
         # Decode through one full-step program per batch bucket (PANTHEON_FULL_STEP=0: per-layer only)
         self.full_step = os.environ.get(FULL_STEP_ENV, "1") != "0"
+        self.mirror = None  # process 0 of a multi-process model: its StepChannel (engine/distributed.py)
+
+    def keepalive(self) -> None:
+        """An idle multi-process model still talks now and then, so the followers' pending receive
+        never waits on the collectives' timeout."""
+        from pantheon.engine.distributed import KEEPALIVE_S
+
+        if self.mirror is not None and time.monotonic() - self.mirror.last > KEEPALIVE_S:
+            self.mirror.send(("noop", ()))
 
     def kv_bucket(self, needed: int) -> int:
         b = MIN_KV_BUCKET
@@ -414,6 +434,7 @@ class ModelRunner:
                 return jax.tree_util.tree_map(np.asarray, out)
         return self.sample(self.decode(d.slots, d.tokens, d.positions), d.slots, d.sampling, d.forced, d.mask)
 
+    @_mirrored
     def run(self, work: StepWork) -> StepOutput:
         """Execute one scheduler step: the prefill chunk, then the decode rows, each followed by
         its sampling call. Any exception leaves `self.cache` holding every live buffer (the
@@ -432,6 +453,7 @@ class ModelRunner:
                 out.decode = self.decode_and_sample(d)
         return out
 
+    @_mirrored
     def repair(self) -> bool:
         """After a failed step: replace any state buffer that the failure deleted (donated into a
         program that never returned) with a fresh one. Returns True when the KV/recurrent state
@@ -467,6 +489,7 @@ class ModelRunner:
         return slot_layout(self.cache, n_tok)
 
     # ---- sampling --------------------------------------------------------------------------------
+    @_mirrored
     def start_sampling(self, slot: int, params: SamplingParams) -> SlotSampling:
         params = params.sanitized(self.spec.n_vocab)
         ids, vals = bias_arrays(params, self.spec.n_vocab)

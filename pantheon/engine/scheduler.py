@@ -208,7 +208,7 @@ class Scheduler:
             return
         self._last_maintenance = now
         for name, job in (("reap", self.table.reap), ("graph retry", self.runner.registry.retry_due),
-                          ("kv retry", self.runner.attention.retry_due)):
+                          ("kv retry", self.runner.attention.retry_due), ("followers", self.runner.keepalive)):
             try:
                 job()
             except Exception:  # noqa: BLE001 - maintenance never stops serving

@@ -113,6 +113,39 @@ def _loopback(host: str) -> bool:
         return False  # a host name other than localhost: assume it is reachable
 
 
+def join_processes(args, config: ServeConfig) -> ServeConfig:
+    """`--coordinator`: join the multi-controller runtime (engine/distributed.py) and place the model
+    on every process's dies."""
+    import dataclasses
+    import os
+
+    import jax
+
+    from pantheon.config import ENV_SESSION_HOST_BYTES
+    from pantheon.engine.distributed import initialize
+
+    if len(config.models) > 1:
+        raise SystemExit("pantheon: a model spanning several processes is served alone (one --model)")
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    os.environ[ENV_SESSION_HOST_BYTES] = "0"  # no host tier: a slot's KV is spread over processes
+    return dataclasses.replace(config, dies=config.dies or tuple(range(jax.device_count())))
+
+
+def follow_process_zero(config: ServeConfig) -> int:
+    """A process other than 0: load the same model on the same global mesh, then replay process
+    0's device calls until it stops. It serves no HTTP."""
+    from pantheon.default_model import SERVED_NAME, default_model_path
+    from pantheon.engine.distributed import StepChannel, follow
+    from pantheon.engine.pool import ModelPool
+
+    path, name = config.models[0] if config.models else (str(default_model_path()), SERVED_NAME)
+    pool = ModelPool()
+    engine = pool.load(config.model_config(path, name)).engine
+    engine.scheduler.stop()  # this process never schedules: process 0 does
+    follow(engine.runner, StepChannel())
+    return 0
+
+
 def serve(args) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
@@ -123,6 +156,10 @@ def serve(args) -> int:
     if getattr(args, "trace_requests", False):
         logging.getLogger("pantheon.trace").setLevel(logging.DEBUG)
     config = config_from_args(args)
+    if getattr(args, "coordinator", None):
+        config = join_processes(args, config)
+        if args.process_id != 0:
+            return follow_process_zero(config)
     if warning := exposure_warning(config):
         print(warning, file=sys.stderr)
     app = create_app(config)
