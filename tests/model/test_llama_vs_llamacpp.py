@@ -124,3 +124,19 @@ def test_chunked_prefill_and_decode_equal_one_full_prefill(smollm2_gguf, model, 
     for i in range(n, len(seq)):
         step = np.asarray(runner.decode([1], [seq[i]], [i])[0])
         np.testing.assert_allclose(step, full[i], atol=1e-3)
+
+
+def test_teacher_forced_top1_agrees_on_98_percent_of_all_steps(smollm2_gguf, model, greedy_cases):
+    """Every recorded step of every case, whatever llama.cpp's margin: with `exact` numerics (the
+    default) our top-1 is llama.cpp's on >= 98 % of them. Measured on AVX-512: 379/384 = 98.7 %
+    (per case 46, 47, 47, 47, 48, 48, 48, 48 of 48); `llamacpp` numerics reach 371/384 = 96.6 %."""
+    spec, params = model
+    runner = ModelRunner(spec, numerics_for(smollm2_gguf, spec, "exact"), params, n_slots=1, ctx=512)
+    agree = total = 0
+    for case in greedy_cases:
+        n = case["n_prompt"]
+        logits = np.asarray(runner.prefill(0, case["prompt_ids"] + case["generated_ids"][:-1], 0, all_logits=True))
+        for i, step in enumerate(case["steps"]):
+            agree += int(logits[n - 1 + i].argmax() == step["token"])
+            total += 1
+    assert total == 384 and agree / total >= 0.98, (agree, total)
