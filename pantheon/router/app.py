@@ -23,7 +23,7 @@ import httpx
 from quart import Quart, Response, request
 
 from pantheon.router.registry import Instance, Registry, ReportError
-from pantheon.web.errors import error_response
+from pantheon.web.errors import answer_unknown_routes, error_response
 
 log = logging.getLogger("pantheon.router")
 ENV_TTL = "PANTHEON_ROUTER_TTL"
@@ -195,13 +195,7 @@ def create_app(ttl_s: float = 10.0, transport: httpx.AsyncBaseTransport | None =
         path = request.full_path if request.query_string else request.path
         return await relay(targets, "GET", path, None, sid, stream=request.path.endswith("watch"))
 
-    @app.errorhandler(404)
-    async def not_found(_):
-        return error_response(404, "not_found", "unknown route")
-
-    @app.errorhandler(405)
-    async def wrong_method(_):
-        return error_response(404, "not_found", "unknown route")
+    answer_unknown_routes(app)
 
     # ---- dispatch ---------------------------------------------------------------------------------------
     def no_instances() -> Response:

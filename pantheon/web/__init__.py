@@ -18,7 +18,7 @@ from pantheon.config import ServeConfig
 from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backend, configure_jax
 from pantheon.engine.events import failure_message
 from pantheon.engine.pool import ModelPool, PoolError
-from pantheon.web.errors import ApiError, LimitedRequest, error_response
+from pantheon.web.errors import ApiError, LimitedRequest, answer_unknown_routes, error_response
 from pantheon.web.observe import note
 
 log = logging.getLogger("pantheon.web")
@@ -169,13 +169,7 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     async def pool_error(e: PoolError):
         return error_response(e.status, e.type, e.message)
 
-    @app.errorhandler(404)
-    async def not_found(_):
-        return error_response(404, "not_found", "unknown route")
-
-    @app.errorhandler(405)
-    async def wrong_method(_):
-        return error_response(404, "not_found", "unknown route")
+    answer_unknown_routes(app)
 
     @app.errorhandler(413)
     async def too_large(_):

@@ -105,3 +105,12 @@ async def json_body():
         raise invalid("malformed JSON: a number literal is too long") from None
     check_json(body)
     return body
+
+
+def answer_unknown_routes(app) -> None:
+    """The contract's 404 body for an unknown route, and for a known path with another method."""
+    async def not_found(_):
+        return error_response(404, "not_found", "unknown route")
+
+    app.register_error_handler(404, not_found)
+    app.register_error_handler(405, not_found)
