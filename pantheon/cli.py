@@ -406,26 +406,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="POST /admin/models/load opens only files under this folder (default $PANTHEON_MODELS_DIR)")
     s.add_argument("--log-format", choices=("text", "json"), default=None,
                    help="the access log: one line per request, text or JSON (default $PANTHEON_ACCESS_LOG, else text)")
-    s.add_argument("--quiet", action="store_true", help="no access log")
+    s.add_argument("--quiet", action="store_true", help="no access log (default: one line per request)")
     s.add_argument("--router", default=None, metavar="URL",
                    help="register with this router (pantheon router) and heartbeat to it (default $PANTHEON_ROUTER)")
     s.add_argument("--advertise", default=None, metavar="URL",
                    help="the URL the router reaches this instance at (default http://HOST:PORT)")
     s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="one model over several processes/hosts: the jax.distributed coordinator (process 0's "
-                        "address); every process runs the same serve command with its --process-id")
-    s.add_argument("--num-processes", type=_positive_int, default=1, help="processes in all (with --coordinator)")
+                        "address); every process runs the same serve command with its --process-id "
+                        "(default: none, one process)")
+    s.add_argument("--num-processes", type=_positive_int, default=1, help="processes in all, with --coordinator (default: 1)")
     s.add_argument("--process-id", type=_non_negative_int, default=0,
-                   help="this process (0 serves HTTP; the others follow its steps)")
+                   help="this process: 0 serves HTTP, the others follow its steps (default: 0)")
     s.add_argument("--trace-requests", action="store_true",
-                   help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG")
+                   help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG "
+                        "(default: off)")
     s.set_defaults(func=cmd_serve)
 
     r = add("router", help="run the router that serve instances register with (pantheon.router)")
-    r.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    r.add_argument("--port", type=_port, default=8090, help="port to listen on")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    r.add_argument("--port", type=_port, default=8090, help="port to listen on (default: %(default)s)")
     r.add_argument("--instance-ttl", type=_positive_float, default=10.0,
-                   help="seconds without a heartbeat after which an instance is no longer live")
+                   help="seconds without a heartbeat after which an instance is no longer live (default: %(default)s)")
     r.set_defaults(func=cmd_router)
     return p
 
