@@ -8,6 +8,7 @@ asyncio queue; `call` runs a function on the device thread (session export/resto
 from __future__ import annotations
 
 import asyncio
+import logging
 import hashlib
 import math
 
@@ -38,6 +39,9 @@ from pantheon.text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "BusyError"]
 DEFAULT_PREFILL_TOK_S = 500.0  # before a prefill has been measured (SmolLM2, 2 CPU cores)
+
+
+log = logging.getLogger(__name__)
 
 
 class Throughput:
@@ -205,6 +209,19 @@ class Engine:
     # ---- the device thread ----------------------------------------------------------------------
     def start(self) -> None:
         self.scheduler.start()
+
+    def warm_up(self) -> None:
+        """Compile every prefill bucket and decode step (runner.warm_up) on the device thread, first
+        in its queue: requests that arrive meanwhile wait behind it instead of each waiting for its
+        own compile mid-traffic, and the model is listed (ready) at once."""
+        def done(seconds, error):
+            if error is not None:
+                log.warning("%s: the compile warm-up failed (programs compile on first use): %s", self.name, error)
+            else:
+                log.info("%s: compiled its prefill buckets and decode steps in %.1f s", self.name, seconds)
+
+        self.start()
+        self.scheduler.put(("call", (self.runner.warm_up, done)))
 
     def stop(self) -> None:
         self.scheduler.stop()

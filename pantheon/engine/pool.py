@@ -169,10 +169,9 @@ class ModelPool:
                     from pantheon.engine.distributed import StepChannel
 
                     entry.engine.runner.mirror = StepChannel()
-                if env.warm_up:  # before READY: no request waits for a compile (runner.warm_up)
-                    seconds = entry.engine.runner.warm_up()
-                    log.info("%s: compiled its prefill buckets and decode steps in %.1f s", config.name, seconds)
                 entry.engine.start()
+                if env.warm_up:
+                    entry.engine.warm_up()
             entry.state = READY
             return entry
         except GGUFError as e:
