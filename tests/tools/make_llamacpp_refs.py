@@ -51,7 +51,7 @@ CONFIGS = {
     "minicpm_f32_no_scale_keys": dict(arch="minicpm", weight_type=Q.F32, seed=8, n_layer=4),
     "minicpm_f32_scale_keys": dict(arch="minicpm", weight_type=Q.F32, seed=8, n_layer=4,
                                    extra_metadata=MINICPM_KEYS),
-    "phi3_f32": dict(arch="phi3", weight_type=Q.F32, seed=9),
+    "phi3_f32": dict(arch="phi3", weight_type=Q.F32, seed=9, extra_tokens=["<|end|>", "<s>", "</s>", "<unk>"]),
     "mistral_f32": dict(arch="mistral", weight_type=Q.F32, seed=10),
 }
 # token ids of the fixture vocabulary (bytes at 3.., merges after 258): prompts of several lengths
