@@ -28,7 +28,6 @@ script itself; its numbers mean nothing).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -62,10 +61,7 @@ def models(tiny: bool) -> dict:
     """name -> (spec, params builder(dtype))."""
     big, small = synthetic.qwen35_35b_a3b(), synthetic.smollm2_135m()
     if tiny:
-        big = dataclasses.replace(big, n_layer=4, recurrent=(True, True, True, False), n_vocab=512, n_embd=256,
-                                  n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=128, ssm_n_group=2,
-                                  ssm_dt_rank=4, ssm_d_state=32, n_head=4, head_dim=64, rope_dim=16)
-        small = dataclasses.replace(small, n_layer=2, n_vocab=512, n_embd=128, n_head=2, n_head_kv=1, n_ff=256)
+        big, small = synthetic.scaled_down(big), synthetic.scaled_down(small)
     return {"qwen35moe-35b-a3b-shaped": (big, lambda dt: synthetic.hybrid_params(big, dt)),
             "smollm2-135m-shaped": (small, lambda dt: synthetic.dense_params(small, dt))}
 

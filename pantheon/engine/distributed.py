@@ -16,7 +16,6 @@ session export/restore are off (a slot's KV is spread over processes)."""
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import time
 
@@ -29,8 +28,8 @@ KEEPALIVE_S = 20.0
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     import jax
 
-    if (os.environ.get("JAX_PLATFORMS") or "cpu").startswith("cpu") or jax.config.jax_platforms in (None, "cpu"):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # CPU dies talk over gloo (the setting concerns only the CPU client; GPUs use NCCL)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
     log.info("process %d of %d joined %s: %d dies in all, %d here", process_id, num_processes, coordinator,
              jax.device_count(), jax.local_device_count())

@@ -138,6 +138,12 @@ class Engine:
         return self.ladder.concurrency(self.max_concurrent_served)
 
     @property
+    def free_slots(self) -> int:
+        """Requests this model takes now without queueing: the served concurrency less the
+        requests admitted or queued (the router's `free_slots`, /metrics' pantheon_slots_free)."""
+        return max(self.max_concurrent - self.scheduler.load, 0)
+
+    @property
     def grammar_factory(self):
         """llguidance over this model's vocabulary (built on first use: ~0.1 s for 49k tokens)."""
         if self._grammar_factory is None:

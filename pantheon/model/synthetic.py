@@ -9,6 +9,8 @@ f32, routed experts as Q3KPlanes with random quants and small fp16 scales."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +27,16 @@ def qwen35_35b_a3b(n_layer: int = 40) -> HybridSpec:
                       n_head_kv=2, head_dim=256, rope_dim=64, rope_base=1e7, rope_sections=(11, 11, 10, 0),
                       n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, ssm_d_conv=4, ssm_d_state=128,
                       ssm_n_group=16, ssm_dt_rank=32)
+
+
+def scaled_down(spec: HybridSpec | ModelSpec) -> HybridSpec | ModelSpec:
+    """The same architecture at a few-MB size (4 or 2 layers, small widths): for checking code
+    paths on a CPU, where the real shapes would take minutes."""
+    if isinstance(spec, HybridSpec):
+        return dataclasses.replace(spec, n_layer=4, recurrent=(True, True, True, False), n_vocab=512, n_embd=256,
+                                   n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=128, ssm_n_group=2,
+                                   ssm_dt_rank=4, ssm_d_state=32, n_head=4, head_dim=64, rope_dim=16)
+    return dataclasses.replace(spec, n_layer=2, n_vocab=512, n_embd=128, n_head=2, n_head_kv=1, n_ff=256)
 
 
 def smollm2_135m() -> ModelSpec:

@@ -59,12 +59,12 @@ class _StateCollector:
 
     def collect(self):
         from pantheon.engine.dies import die_budget, visible_dies
-        from pantheon.web.rows import _attention, _graphs
+        from pantheon.web.rows import attention_object, graphs_object
 
         g = lambda name, doc, labels: GaugeMetricFamily(name, doc, labels=labels)  # noqa: E731
         queue = g("pantheon_queue_depth", "Requests admitted but waiting for a slot", ["model"])
         active = g("pantheon_slots_active", "Requests decoding or prefilling now", ["model"])
-        free = g("pantheon_slots_free", "Concurrency left before requests queue (served max_concurrent - active)",
+        free = g("pantheon_slots_free", "Requests taken now without queueing (served max_concurrent - admitted)",
                  ["model"])
         concurrency = g("pantheon_max_concurrent", "Requests decoded at once: served and configured", ["model", "kind"])
         window = g("pantheon_context_window_tokens", "Per-session window: effective and configured", ["model", "kind"])
@@ -87,7 +87,7 @@ class _StateCollector:
             running, waiting = len(sched.running), len(sched.waiting)
             queue.add_metric([name], max(sched.load - running, waiting, 0))
             active.add_metric([name], running)
-            free.add_metric([name], max(e.max_concurrent - running, 0))
+            free.add_metric([name], e.free_slots)
             concurrency.add_metric([name, "served"], e.max_concurrent)
             concurrency.add_metric([name, "configured"], e.max_concurrent_configured)
             window.add_metric([name, "effective"], e.effective_ctx)
@@ -100,10 +100,10 @@ class _StateCollector:
                 rate.add_metric([name, phase], e.throughput.rate(phase))
                 work_tokens.add_metric([name, phase], e.throughput.tokens[phase])
                 work_seconds.add_metric([name, phase], e.throughput.seconds[phase])
-            for key, value in (_graphs(e, True) or {}).items():
+            for key, value in (graphs_object(e, True) or {}).items():
                 if isinstance(value, int) and key not in ("captures", "capture_failures"):
                     graphs.add_metric([name, key], value)
-            for key, value in (_attention(e, True) or {}).items():
+            for key, value in (attention_object(e, True) or {}).items():
                 if isinstance(value, int):
                     attention.add_metric([name, key], value)
             level = e.ladder.level()

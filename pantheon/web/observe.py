@@ -62,6 +62,7 @@ async def observe_events(events, rec: dict | None, metrics=None):
             elif isinstance(ev, Delta) and (ev.tokens or ev.content or ev.reasoning or ev.tool_calls):
                 if last is None:
                     rec["ttft_s"] = now - rec["_t0"]
+                    rec.setdefault("marks", {})["first_token"] = rec["ttft_s"]
                     if metrics:
                         metrics.ttft.labels(model).observe(rec["ttft_s"])
                 elif metrics:
@@ -158,17 +159,17 @@ class AccessLog:
             trace_log.debug("%s %s %s", rec.get("method"), rec.get("path"), json.dumps(breakdown(rec)))
 
 
+# (field, from mark, to mark) of the trace line; "arrived" is 0, the others are set as they happen
+SPANS = (("render_tokenize_ms", "arrived", "planned"), ("queue_wait_ms", "planned", "admitted"),
+         ("prefill_to_first_token_ms", "admitted", "first_token"), ("decode_ms", "first_token", "end"))
+
+
 def breakdown(rec: dict) -> dict:
     """The request's timing, in milliseconds: arrival -> planned (render + tokenize), -> admitted
     (queue wait for a slot), -> first token (prefill), -> last event (decode + detok), and the
     engine's own split where it reported one (`timing`)."""
-    marks = rec.get("marks", {})
-    ms = lambda a, b: round((marks[b] - (marks[a] if a else 0.0)) * 1e3, 2) if b in marks and (not a or a in marks) else None  # noqa: E731
-    out = {"render_tokenize_ms": ms(None, "planned"), "queue_wait_ms": ms("planned", "admitted")}
-    if "ttft_s" in rec and "admitted" in marks:
-        out["prefill_to_first_token_ms"] = round((rec["ttft_s"] - marks["admitted"]) * 1e3, 2)
-        if "end" in marks:
-            out["decode_ms"] = round((marks["end"] - rec["ttft_s"]) * 1e3, 2)
+    marks = {"arrived": 0.0, **rec.get("marks", {})}
+    out = {name: round((marks[b] - marks[a]) * 1e3, 2) for name, a, b in SPANS if a in marks and b in marks}
     out.update(rec.get("timing") or {})
     out["total_ms"] = round(rec.get("duration_s", 0.0) * 1e3, 2)
-    return {k: v for k, v in out.items() if v is not None}
+    return out

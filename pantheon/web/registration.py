@@ -17,9 +17,7 @@ def report(state, advertise: str, instance_id: str | None) -> dict:
     models = []
     for entry in state.pool.ready():
         e = entry.engine
-        running = len(e.scheduler.running) + len(e.scheduler.waiting)
-        models.append({"id": entry.config.name, "max_concurrent": e.max_concurrent,
-                       "free_slots": max(e.max_concurrent - max(running, e.scheduler.load), 0),
+        models.append({"id": entry.config.name, "max_concurrent": e.max_concurrent, "free_slots": e.free_slots,
                        "context_window": e.effective_ctx})
     sessions = sorted({sid for entry in state.pool.ready() for sid in list(entry.engine.table.sessions)})
     body = {"url": advertise, "models": models, "sessions": sessions}

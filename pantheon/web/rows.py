@@ -5,7 +5,7 @@ from __future__ import annotations
 from pantheon.engine.chat import tool_choice_required_with_thinking
 from pantheon.engine.pool import ModelEntry
 
-def _graphs(engine, operator: bool) -> dict | None:
+def graphs_object(engine, operator: bool) -> dict | None:
     reg = engine.registry
     total = reg.counters()
     if not total["total"]:
@@ -21,8 +21,8 @@ def _graphs(engine, operator: bool) -> dict | None:
     return out
 
 
-def _attention(engine, operator: bool) -> dict | None:
-    """Omitted until the forward has reached an attention layer (see runner.AttentionResidency)."""
+def attention_object(engine, operator: bool) -> dict | None:
+    """Omitted until the forward has reached an attention layer (see residency.AttentionResidency)."""
     if not (set(engine.runner.family.kv_programs) | {"attn_project"}) & engine.registry.programs():
         return None
     return engine.runner.attention.counters(operator)
@@ -33,7 +33,7 @@ def public_row(entry: ModelEntry) -> dict:
     row = {"id": c.name, "object": "model", "created": 0, "owned_by": "pantheon",
            "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "context_window": e.effective_ctx, "tool_choice_required_with_thinking": tool_choice_required_with_thinking(e)}
-    for key, value in (("graphs", _graphs(e, False)), ("attention", _attention(e, False))):
+    for key, value in (("graphs", graphs_object(e, False)), ("attention", attention_object(e, False))):
         if value is not None:
             row[key] = value
     return row
@@ -47,7 +47,7 @@ def operator_row(entry: ModelEntry) -> dict:
            "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured,
            # max_sessions bounds the ids on the device; idle ones beyond it wait on the host tier
            "sessions": e.table.tiers()}
-    for key, value in (("graphs", _graphs(e, True)), ("attention", _attention(e, True))):
+    for key, value in (("graphs", graphs_object(e, True)), ("attention", attention_object(e, True))):
         if value is not None:
             row[key] = value
     return row

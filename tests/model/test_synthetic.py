@@ -46,10 +46,7 @@ def test_real_shaped_specs_and_a_scaled_down_decode():
     shapes = jax.eval_shape(lambda: synthetic.hybrid_params(big))  # no memory: abstract arrays
     n = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(shapes))
     assert 14e9 < n < 22e9  # ~14 GB of Q3_K experts + bf16 rest
-    small = synthetic.qwen35_35b_a3b(n_layer=4)
-    small = type(small)(**{**small.__dict__, "n_vocab": 512, "n_embd": 256, "n_expert": 8, "n_expert_used": 2,
-                           "n_ff_exp": 256, "n_ff_shexp": 128, "ssm_n_group": 2, "ssm_dt_rank": 4, "ssm_d_state": 32,
-                           "n_head": 4, "head_dim": 64, "rope_dim": 16})
+    small = synthetic.scaled_down(big)
     runner = ModelRunner(small, Numerics("exact"), synthetic.hybrid_params(small, jnp.float32), n_slots=2, ctx=64)
     logits = np.asarray(runner.prefill(0, list(range(1, 20)), 0))
     assert np.isfinite(logits).all() and logits.std() > 0.1
