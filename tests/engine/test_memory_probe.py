@@ -59,6 +59,7 @@ def test_the_ladder_reads_device_pressure():
 
 
 def test_kv_rings_larger_than_their_die_are_impossible_and_not_retried(tmp_path, monkeypatch):
+    from pantheon.engine import residency
     from pantheon.engine import runner as runner_mod
     from pantheon.engine.faults import FAULTS
     from pantheon.gguf import open_gguf
@@ -71,7 +72,7 @@ def test_kv_rings_larger_than_their_die_are_impossible_and_not_retried(tmp_path,
     fam = family_of(spec)
 
     def runner(budget: int):
-        monkeypatch.setattr(runner_mod, "die_budget", lambda die: budget)
+        monkeypatch.setattr(residency, "die_budget", lambda die: budget)
         FAULTS.set("kv_alloc", 1)  # layer 0's allocation fails
         try:
             return runner_mod.ModelRunner(spec, fam.numerics_for(g, spec, "exact"), fam.load_params(g, spec),
