@@ -36,6 +36,8 @@ class Registration:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        # httpx logs every request at INFO: a heartbeat every 2 s would bury the access log
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

@@ -49,6 +49,12 @@ def cluster(tmp_path_factory):
     router.stop()
 
 
+def full_log(server) -> str:
+    """The whole log (ServerProcess.log() is its tail, for error messages)."""
+    with open(server.log_path, "rb") as f:
+        return f.read().decode(errors="replace")
+
+
 def models(router):
     return httpx.get(router.url + "/v1/models", timeout=5).json()["data"]
 
@@ -70,7 +76,7 @@ def test_router_serves_two_instances(cluster):
     turn2 = first + [a["choices"][0]["message"], {"role": "user", "content": "and lakes?"}]
     b = chat(router, "sess-1", turn2)
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] > a["usage"]["prompt_tokens"] // 2
-    holders = [s for s in serves if "session=sess-1" in s.log()]
+    holders = [s for s in serves if "session=sess-1" in full_log(s)]
     assert len(holders) == 1
     # the official client, streaming through the router
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -117,7 +123,7 @@ def test_a_drained_instances_sessions_resume_warm_on_the_other(pair):
     wait_for(lambda: [m for m in models(router) if m["live"] == 2])
     first = [{"role": "user", "content": "describe a lighthouse at night in a storm"}]
     a = chat(router, "mig-1", first)
-    holder = next(s for s in serves if "session=mig-1" in s.log())
+    holder = next(s for s in serves if "session=mig-1" in full_log(s))
     other = next(s for s in serves if s is not holder)
     r = httpx.post(holder.url + "/admin/drain", timeout=60)
     assert r.status_code == 200 and [m["id"] for m in r.json()["moved"]] == ["mig-1"], r.text
@@ -127,7 +133,7 @@ def test_a_drained_instances_sessions_resume_warm_on_the_other(pair):
     turn2 = first + [a["choices"][0]["message"], {"role": "user", "content": "and at dawn?"}]
     b = chat(router, "mig-1", turn2)
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= a["usage"]["prompt_tokens"]
-    assert "session=mig-1" in other.log()
+    assert "session=mig-1" in full_log(other)
     # the drained instance refuses new work itself (a router would retry it elsewhere)
     r = httpx.post(holder.url + "/v1/chat/completions", json={"messages": first, "max_tokens": 1}, timeout=10)
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_shutting_down"
