@@ -34,7 +34,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError, failure_message
-from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
+from pantheon.engine.runner import SHORT_PROMPT, DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
 from pantheon.text.pipeline import ChoiceText
@@ -46,6 +46,7 @@ QUEUE_WAIT_S = 30.0
 STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
 SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
 SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
+PROMPT_ROWS = 8  # short prompts (runner.SHORT_PROMPT tokens left at most) prefilled together, a row each
 MAINTENANCE_S = 1.0
 
 
@@ -68,14 +69,15 @@ class Plan:
     prefill: Sequence | None = None
     chunk: list[int] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    prompts: list[Sequence] = field(default_factory=list)  # short prompts prefilled whole, together
     work: StepWork = field(default_factory=StepWork)
 
     @property
     def sequences(self) -> list[Sequence]:
-        return ([self.prefill] if self.prefill is not None else []) + self.decode
+        return ([self.prefill] if self.prefill is not None else []) + self.prompts + self.decode
 
     def __bool__(self) -> bool:
-        return self.prefill is not None or bool(self.decode)
+        return self.prefill is not None or bool(self.prompts) or bool(self.decode)
 
 
 class Scheduler:
@@ -176,13 +178,14 @@ class Scheduler:
             self._step_failed(plan, e)
             return True
         dt = time.perf_counter() - t0
-        if plan.chunk and not plan.decode:
-            self.engine.record_prefill(len(plan.chunk), dt)
+        prompt_tokens = len(plan.chunk) + sum(len(s.request.prompt_ids) - s.prefill_at for s in plan.prompts)
+        if prompt_tokens and not plan.decode:
+            self.engine.record_prefill(prompt_tokens, dt)
         elif plan.decode:
             self.engine.record_decode(len(plan.decode), dt)
-        if plan.prefill is not None:
-            plan.prefill.state.prefill_chunks += 1
-            plan.prefill.state.prefill_s += dt
+        for st in {id(s.state): s.state for s in ([plan.prefill] if plan.prefill else []) + plan.prompts}.values():
+            st.prefill_chunks += 1
+            st.prefill_s += dt
         for st in {id(s.state): s.state for s in plan.decode}.values():
             st.decode_steps += 1
             st.decode_s += dt
@@ -222,13 +225,28 @@ class Scheduler:
         self._admit()
         plan = Plan(decode=[s for s in self.running if s.decoding])
         prefilling = [s for s in self.running if s.prefilling]
-        if prefilling:
+        plan.prompts = self._short_prompts(prefilling)
+        if plan.prompts:
+            for seq in plan.prompts:
+                seq.prefill_turn = self._steps + 1
+        elif prefilling:
             seq = min(prefilling, key=lambda s: s.prefill_turn)
             seq.prefill_turn = self._steps + 1
             plan.prefill = seq
             plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + self._chunk_size(seq)]
         plan.work = self._work(plan)
         return plan
+
+    def _short_prompts(self, prefilling: list[Sequence]) -> list[Sequence]:
+        """Two or more prompts with at most SHORT_PROMPT tokens left (new requests arriving together,
+        next turns of sessions) are prefilled in one step, one row each: a small chunk's cost is
+        mostly reading the weights, which the rows then share, so each waits one step for its first
+        token instead of one per prompt ahead of it. Attention-only models (a recurrent state's
+        prefill stays one prompt per step)."""
+        if not self.table.can_truncate:
+            return []
+        short = [s for s in prefilling if len(s.request.prompt_ids) - s.prefill_at <= SHORT_PROMPT]
+        return sorted(short, key=lambda s: s.prefill_turn)[:PROMPT_ROWS] if len(short) >= 2 else []
 
     def _chunk_size(self, seq: Sequence) -> int:
         """STEP_TOKENS when the prompt has the device to itself. Shared with other sequences, a chunk
@@ -241,6 +259,11 @@ class Scheduler:
 
     def _work(self, plan: Plan) -> StepWork:
         work = StepWork()
+        if plan.prompts:
+            masks = self._masks(plan.prompts)
+            work.prompts = [PrefillWork(s.slot.index, s.request.prompt_ids[s.prefill_at:], s.prefill_at, s.sampling,
+                                        s.take_forced(), None if masks is None else masks[i])
+                            for i, s in enumerate(plan.prompts)]
         seq = plan.prefill
         if seq is not None:
             work.prefill = PrefillWork(seq.slot.index, plan.chunk, seq.prefill_at)
@@ -311,6 +334,11 @@ class Scheduler:
         req, st = seq.request, seq.state
         seq.slot, seq.prefill_at = slot, cached
         seq.history = req.prompt_ids[:cached]
+        if 0 < cached == len(req.prompt_ids) - 1:
+            # All but the last prompt token is cached (a repeated prompt, a regenerated turn): that
+            # token joins the next decode step as a row, at the decode step's memory speed, rather
+            # than a prefill chunk padded to CHUNK_BUCKETS[0] tokens that reads the f32 weights.
+            seq.prefill_at, seq.last = len(req.prompt_ids), req.prompt_ids[-1]
         seq.prefill_turn = self._steps  # arrivals queue behind prompts already waiting for a chunk
         self.runner.begin(slot.index, cached)
         seq.sampling = self.runner.start_sampling(slot.index, seq.params)
@@ -339,6 +367,12 @@ class Scheduler:
             seq.history.extend(plan.chunk)
             if out.prefill is not None:
                 self._accept(seq, out.prefill, 0)
+        for s in plan.prompts:
+            rest = s.request.prompt_ids[s.prefill_at:]
+            s.prefill_at += len(rest)
+            s.history.extend(rest)
+        for i, s in enumerate(plan.prompts):
+            self._accept(s, out.prompts, i)
         for s in plan.decode:
             s.history.append(s.last)
             s.last = None

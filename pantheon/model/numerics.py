@@ -40,9 +40,20 @@ def scheme_for(ggml_type) -> str:
     return _ACT_SCHEME.get(ggml_type, NONE)
 
 
-def _round_half_away(x):
-    # C's roundf, which ggml's Q8_0 quantizer uses (jnp.round would round half to even).
-    return jnp.sign(x) * jnp.floor(jnp.abs(x) + 0.5)
+def quantize_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., K] as ggml-cpu's x86 quantizer rounds it to Q8_0/Q8_1 blocks of 32: (q [..., K/32, 32],
+    d [..., K/32, 1], s [..., K/32, 1]), with d = amax / 127 stored as fp16, q = x * (127 / amax)
+    rounded to nearest even, and Q8_1's block sum s = d * sum(q) (the unrounded d) stored as fp16.
+    The native kernel (qmatmul.cc) rounds the same way."""
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    d = amax / 127
+    q = jnp.round(xb * jnp.where(amax == 0, 0, 127 / jnp.where(amax == 0, 1, amax)))
+
+    def fp16(v):
+        return v.astype(jnp.float16).astype(x.dtype)
+
+    return q, fp16(d), fp16(d * jnp.sum(q, axis=-1, keepdims=True))
 
 
 def quantize_activations(x: jax.Array, scheme: str) -> jax.Array:
@@ -53,17 +64,14 @@ def quantize_activations(x: jax.Array, scheme: str) -> jax.Array:
         return x.astype(jnp.float16).astype(x.dtype)
     if scheme == BF16:
         return x.astype(jnp.bfloat16).astype(x.dtype)
-    block = 32 if scheme == Q8_0 else 256
-    shape = x.shape
-    xb = x.reshape(*shape[:-1], shape[-1] // block, block)
     if scheme == Q8_0:
-        d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127
-        q = _round_half_away(xb * jnp.where(d == 0, 0, 1 / jnp.where(d == 0, 1, d)))
-        d = d.astype(jnp.float16).astype(x.dtype)  # the scale is stored as fp16
-    else:  # Q8_K: scale from the signed extreme value, f32 scale, round to nearest even
-        idx = jnp.argmax(jnp.abs(xb), axis=-1, keepdims=True)
-        vmax = jnp.take_along_axis(xb, idx, axis=-1)
-        iscale = jnp.where(vmax == 0, 0, -127 / jnp.where(vmax == 0, 1, vmax))
-        q = jnp.minimum(jnp.round(xb * iscale), 127)
-        d = jnp.where(iscale == 0, 0, 1 / jnp.where(iscale == 0, 1, iscale))
-    return (q * d).reshape(shape)
+        q, d, _ = quantize_q8_0(x)
+        return (q * d).reshape(x.shape)
+    # Q8_K: blocks of 256, scale from the signed extreme value, f32 scale, round to nearest even
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // 256, 256)
+    idx = jnp.argmax(jnp.abs(xb), axis=-1, keepdims=True)
+    vmax = jnp.take_along_axis(xb, idx, axis=-1)
+    iscale = jnp.where(vmax == 0, 0, -127 / jnp.where(vmax == 0, 1, vmax))
+    q = jnp.minimum(jnp.round(xb * iscale), 127)
+    d = jnp.where(iscale == 0, 0, 1 / jnp.where(iscale == 0, 1, iscale))
+    return (q * d).reshape(x.shape)

@@ -151,8 +151,9 @@ def decode_matrices(g: GGUFFile, spec: ModelSpec, layer_keys: list[set[str]]) ->
 
 
 def prefill_view(params: dict) -> dict:
-    """The params the prefill programs read: the f32 matrices (its products are compute-bound,
-    where XLA's f32 GEMM is faster), without the decode blocks."""
+    """The params the prefill programs of more than runner.QUANT_PREFILL_ROWS token rows read: the
+    f32 matrices (their products are compute-bound, where XLA's f32 GEMM is faster), without the
+    decode blocks."""
     return {k: v for k, v in params.items() if k != "decode"}
 
 

@@ -3,9 +3,12 @@
 XLA:CPU has no quantized matmul, and no int8/bf16 formulation of its own streams faster than f32
 (research/jax_feasibility.md §4); but batch decode reads every weight once per token, so the bytes
 read bound it: SmolLM2-135M is 538 MB as f32 and 85 MB as Q4_1/Q8_0 blocks. `qmatmul` is an XLA FFI
-custom call (qmatmul.cc) that reads the blocks and dequantizes in registers, inside the compiled
-program like any other op. `qmatmul_reference` is the same product in plain jnp (dequantize, then
-einsum): the kernel is tested against it.
+custom call (qmatmul.cc) that reads the blocks inside the compiled program like any other op, in
+one of two formulations: f32 activations times weights dequantized in registers ("exact"
+numerics), or activations first rounded to 8-bit blocks and integer dot products, as llama.cpp's
+CPU backend computes them ("llamacpp" numerics; ~4x less arithmetic). `qmatmul_reference` is the
+same product in plain jnp (round the activations the same way, dequantize, einsum): the kernel is
+tested against it.
 
 Where the native library cannot be built (build.py: no compiler, no AVX2, PANTHEON_NATIVE=0),
 `build.available()` is False and the models keep their f32 weights only."""
@@ -55,18 +58,35 @@ def supported(ggml_type: int) -> bool:
     return int(ggml_type) in BLOCK_BYTES
 
 
-def qmatmul(x: jax.Array, w: QMatrix) -> jax.Array:
-    """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel."""
+def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
+    """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
+    x rounded to Q8_0 blocks first (Q8_1 against Q4_1), as ggml-cpu does."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.n_in).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n_out), jnp.float32))
-    return call(x2, w.blocks, qtype=np.int64(w.qtype)).reshape(*lead, w.n_out)
+    return call(x2, w.blocks, qtype=np.int64(w.qtype),
+                int8_activations=np.int64(int8_activations)).reshape(*lead, w.n_out)
 
 
-def qmatmul_reference(x: jax.Array, w: QMatrix) -> jax.Array:
-    """The product in plain jnp: dequantize (pantheon.gguf.quants), then einsum."""
-    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize(w.blocks, w.qtype),
-                      precision=jax.lax.Precision.HIGHEST)
+def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
+    """The product in plain jnp: round x (numerics.quantize_q8_0), dequantize the weights
+    (pantheon.gguf.quants), einsum. Against Q4_1, ggml's Q8_1 carries each block's sum
+    s = d * sum(q) rounded to fp16, which multiplies the weight block's minimum: that rounding is
+    applied here too."""
+    x = x.astype(jnp.float32)
+    dense = dequantize(w.blocks, w.qtype).reshape(w.n_out, w.n_in)
+    if not int8_activations:
+        return jnp.einsum("...i,oi->...o", x, dense, precision=jax.lax.Precision.HIGHEST)
+    from pantheon.model.numerics import quantize_q8_0
+
+    q, d, s = quantize_q8_0(x)
+    y = jnp.einsum("...i,oi->...o", (q * d).reshape(x.shape), dense, precision=jax.lax.Precision.HIGHEST)
+    if w.qtype == 3:  # Q4_1: the minimum term uses s, not d * sum(q)
+        nb = w.n_in // 32
+        mins = jax.lax.bitcast_convert_type(w.blocks.reshape(w.n_out, nb, 20)[..., 2:4], jnp.float16)
+        sum_error = s[..., 0] - d[..., 0] * jnp.sum(q, axis=-1)  # [..., nb]
+        y = y + jnp.einsum("...b,ob->...o", sum_error, mins.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return y
 
 
 def embed_rows(w: QMatrix, ids: jax.Array) -> jax.Array:

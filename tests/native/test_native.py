@@ -45,16 +45,65 @@ def test_qmatmul_matches_the_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-def test_qmatmul_row_does_not_depend_on_its_batch(qtype):
-    """Rows go through 4-row tiles or alone (qmatmul.cc); a row's result must be bit-identical."""
+def test_qmatmul_with_8bit_activations_matches_the_reference(qtype):
+    """llamacpp numerics: x rounded to Q8_0/Q8_1 blocks in the kernel, integer dot products. The
+    reference rounds x in jnp (numerics.quantize_q8_0) and dequantizes: the same values, so only
+    f32 summation order may differ; the rounding itself moves the product far more (checked, so
+    the kernel cannot be quietly computing the f32 product instead)."""
+    rng = np.random.default_rng()
+    for n_out, n_in, m in ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)):
+        w, dense = random_matrix(rng, n_out, n_in, qtype)
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+        x = jnp.asarray(x)
+        got = np.asarray(jax.jit(lambda x, w: qmatmul(x, w, int8_activations=True))(x, w))
+        ref = np.asarray(jax.jit(lambda x, w: qmatmul_reference(x, w, int8_activations=True))(x, w))
+        exact = np.asarray(x, np.float64) @ dense.T.astype(np.float64)
+        scale = np.abs(exact).max()
+        assert np.abs(got - ref).max() <= 2e-6 * scale * np.sqrt(n_in / 32), (n_out, n_in, m)
+        assert np.abs(got - exact).max() >= 1e-4 * scale  # the activations really were rounded
+
+
+@pytest.mark.parametrize("int8_activations", (False, True), ids=("f32", "int8"))
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_qmatmul_row_does_not_depend_on_its_batch(qtype, int8_activations):
+    """Rows go through 8-, 4-, 2-row tiles or alone (qmatmul.cc); a row's result must be bit-identical."""
     rng = np.random.default_rng()
     w, _ = random_matrix(rng, 300, 640, qtype)
     x = jnp.asarray(rng.standard_normal((11, 640)).astype(np.float32))
-    full = np.asarray(jax.jit(qmatmul)(x, w))
+
+    def f(x, w):
+        return qmatmul(x, w, int8_activations=int8_activations)
+
+    full = np.asarray(jax.jit(f)(x, w))
     for m in (1, 2, 4, 5, 8):
-        part = np.asarray(jax.jit(qmatmul)(x[:m], w))
+        part = np.asarray(jax.jit(f)(x[:m], w))
         np.testing.assert_array_equal(part, full[:m])
-    np.testing.assert_array_equal(np.asarray(jax.jit(qmatmul)(x[7:8], w))[0], full[7])
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x[7:8], w))[0], full[7])
+
+
+def test_8bit_activation_rounding_is_ggml_x86s():
+    """numerics.quantize_q8_0 against a transcription of ggml-cpu's AVX2 quantize_row_q8_1 on
+    values built to hit its edges: exact halves (nearest even, not C's roundf), the block maximum
+    (exactly +-127) and an all-zero block."""
+    from pantheon.model.numerics import quantize_q8_0
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[1, :32] = [127.0] + [k + 0.5 for k in range(-15, 16)]  # scale 127/127 = 1: every other value a half
+    x[2, 32:] = 0.0
+    q, d, s = (np.asarray(a) for a in quantize_q8_0(jnp.asarray(x)))
+    xb = x.reshape(3, 2, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    dd = amax / np.float32(127)
+    iv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    want = np.rint((xb * iv).astype(np.float32))  # rint: round half to even, like _mm256_round_ps
+    np.testing.assert_array_equal(q, want)
+    np.testing.assert_array_equal(d, dd.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(s, (dd * want.sum(-1, keepdims=True)).astype(np.float16).astype(np.float32))
+    assert np.abs(q).max() == 127 and np.all(q[2, 1] == 0)
+    roundf = np.sign(xb) * np.floor(np.abs(xb * iv) + 0.5)
+    assert np.sum(roundf != want) >= 15  # the halves, which C's roundf would round away from zero
 
 
 def test_qmatmul_keeps_leading_axes_and_embeds_rows():
