@@ -207,8 +207,13 @@ class ModelRunner:
         """Decode, and prefill programs of at most QUANT_PREFILL_ROWS token rows, read the quant
         blocks (weights.decode_view): a short chunk's cost is mostly reading the weights, and the
         blocks are 4-6x fewer bytes than the f32 matrices (a 16-token chunk of the default model
-        60 -> 50 ms). Longer chunks are compute-bound, where XLA's f32 GEMM is the faster product."""
-        if kind == "decode" or batch * chunk <= QUANT_PREFILL_ROWS:
+        60 -> 50 ms). Longer chunks are compute-bound, where XLA's f32 GEMM is the faster product;
+        but with `llamacpp` numerics every prefill reads the blocks too: the kernel's integer dot
+        products are llama.cpp's own arithmetic, row by row, and an f32 GEMM over the same rounded
+        activations sums in another order, which flips activation roundings downstream (a Q8_0
+        qwen3 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 through the
+        kernel), for about the GEMM's speed up to 64-token chunks."""
+        if kind == "decode" or batch * chunk <= QUANT_PREFILL_ROWS or self.numerics.mode == "llamacpp":
             return self.decode_params
         return self.prefill_params
 

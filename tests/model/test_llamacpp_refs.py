@@ -2,7 +2,7 @@
 (tests/data/llamacpp/, recorded by tests/tools/make_llamacpp_refs.py with llama.cpp b11434's
 llama-server; each file names the build). The models are regenerated here byte for byte (sha256
 checked) and run through the runner: `exact` numerics for F32 weights, `llamacpp` (activations
-rounded as ggml-cpu does) for quantized ones.
+rounded as ggml-cpu does, and Q4_0/Q4_1/Q8_0 products in its integer arithmetic) for quantized ones.
 
 For each prompt, the next token: top-1 equal wherever llama.cpp's top-2 margin >= 0.1, top-10 sets
 sharing >= 9, and |Δ log-prob| on llama.cpp's top-10 within the bound of the weight type (entries
@@ -14,16 +14,19 @@ compared. The phi3 fixture carries "<s>", "</s>", "<unk>" and "<|end|>", which l
 vocabulary loading looks up.
 
 Measured max |Δ log-prob| (AVX-512 / AVX2): F32 llama 1.1e-5, qwen2 9e-6, qwen3 7.6e-6, phi3 7.7e-6,
-minicpm 1.4e-6 without scale keys (llama.cpp's defaults) and 1.9e-5 with them. Quantized weights,
-per prompt (AVX2): Q8_0 llama <= 4.2e-6 on all five; qwen3 <= 4.7e-6 on four and 0.12 on the
-62-token one; Q3_K <= 1.2e-5 on all; Q4_K 3e-6..7e-6 on three, 0.06 and 0.16 on two; Q6_K
-<= 5e-6 on three, 0.05 and 0.11 on two. The outliers are activation-rounding flips, not drift:
-before each quantized product the activations are rounded to 8 bits, and a value that lands within
-an f32 ulp of a rounding boundary rounds one way here and the other in llama.cpp (whose f32 ops run
-in another order); the tiny random-weight models amplify that one quantum. Which prompts flip
-depends on the CPU's vector width (AVX-512 flipped Q4_K at 0.088, not 0.16). Top-1, top-10 and
-every greedy continuation are equal everywhere. Bounds: F32 0.05 on every prompt (the issue's);
-quantized 0.05 on >= 60 % of the prompts (the unflipped ones match to ~1e-5) and 0.3 on all."""
+minicpm 1.4e-6 without scale keys (llama.cpp's defaults) and 1.9e-5 with them. Q8_0 (the native
+kernel's integer dot products, which are llama.cpp's own arithmetic, in prefill as in decode):
+llama <= 1.8e-6, qwen3 <= 8.9e-7 on every prompt. K-quants (no native kernel: activations rounded
+to Q8_K in jnp, then an f32 product), per prompt (AVX2): Q3_K <= 1.2e-5 on all; Q4_K <= 7e-6 on
+three, 0.06 and 0.16 on two; Q6_K <= 5e-6 on three, 0.05 and 0.11 on two. Those outliers are
+activation-rounding flips, not drift: a value within an f32 ulp of a rounding boundary rounds one
+way here and the other in llama.cpp, whose f32 products sum in another order (through the Q4_0/
+Q4_1/Q8_0 kernel, Q8_0's 62-token prompt went from 0.12 to 4e-7); the tiny random-weight models
+amplify that one quantum, and which prompts flip depends on the CPU's vector width (AVX-512:
+Q4_K 0.088). Top-1, top-10 and every greedy continuation are equal everywhere. Bounds: F32 0.05 on
+every prompt (the issue's); Q8_0 0.05 on >= 80 % of the prompts and 0.15 on all (every prompt is
+within 2e-6 here; the slack is for one flip from an elementwise op another CPU's XLA rounds
+differently); K-quants 0.05 on >= 60 % of the prompts and 0.3 on all."""
 
 from __future__ import annotations
 
@@ -43,8 +46,9 @@ from tests.fixtures.tiny_models import Q, write_tiny_llama
 DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp"
 RECORDS = {p.stem: json.loads(p.read_text()) for p in sorted(DATA.glob("*.json"))}
 COMPARED = sorted(name for name, r in RECORDS.items() if "cases" in r)
-# (bound on every prompt, bound on >= 60 % of them) for |Δ log-prob| on llama.cpp's top-10
-BOUND = {"F32": (0.05, 0.05), "Q8_0": (0.3, 0.05), "Q3_K": (0.3, 0.05), "Q4_K": (0.3, 0.05), "Q6_K": (0.3, 0.05)}
+# (bound on every prompt, bound on a share of them, that share) for |Δ log-prob| on llama.cpp's top-10
+BOUND = {"F32": (0.05, 0.05, 1.0), "Q8_0": (0.15, 0.05, 0.8), "Q3_K": (0.3, 0.05, 0.6), "Q4_K": (0.3, 0.05, 0.6),
+         "Q6_K": (0.3, 0.05, 0.6)}
 # llama.cpp takes the log of f32 probabilities: below e^-80 they are denormal (imprecise) or 0 (-FLT_MAX)
 PRECISE = -80.0
 
@@ -98,5 +102,5 @@ def test_next_token_log_probs_and_greedy_match_llamacpp(name, tmp_path):
             last = np.asarray(runner.decode([0], [tokens[-1]], [pos]))[0]
             pos += 1
         assert tokens == case["greedy"], (name, tokens, case["greedy"])
-    every, most = BOUND[wtype]
-    assert max(errors) <= every and np.mean(np.array(errors) <= most) >= 0.6, (name, errors)
+    every, most, share = BOUND[wtype]
+    assert max(errors) <= every and np.mean(np.array(errors) <= most) >= share, (name, errors)
