@@ -178,14 +178,5 @@ class GraphRegistry:
         with self._lock:
             return {k.program for k in self._slots}
 
-    def calls(self, kind: str) -> dict[Hashable, int]:
-        """How often `kind`'s programs ran, per shape bucket (summed over layers and programs)."""
-        out: dict[Hashable, int] = {}
-        with self._lock:
-            for k, s in self._slots.items():
-                if k.kind == kind:
-                    out[k.bucket] = out.get(k.bucket, 0) + s.calls
-        return out
-
     def compile_seconds(self) -> float:
         return sum(e.compile_s for e in self._exes.values())

@@ -19,7 +19,7 @@ from pantheon.gguf.reader import GGUFError, open_gguf
 from pantheon.model.dtypes import compute_dtype, itemsize
 from pantheon.model.qwen35moe import experts_stay_q3k
 from pantheon.native import build as native_build
-from pantheon.native.qmatmul import supported as qmatmul_supported
+from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
 
 log = logging.getLogger(__name__)
 LOADING, READY, UNLOADING, FAILED = "loading", "ready", "unloading", "failed"
@@ -80,7 +80,8 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)
     if arch != "qwen35moe" and itemsize == 4 and native_build.available():
-        weights += sum(nbytes for shape, kind, nbytes in tensors.values() if len(shape) == 2 and qmatmul_supported(kind))
+        weights += sum(decode_bytes(kind, nbytes) for shape, kind, nbytes in tensors.values()
+                       if len(shape) == 2 and qmatmul_supported(kind))
     return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * itemsize
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial, wraps
 
 import jax
@@ -34,8 +34,7 @@ DECODE_BUCKETS = (1, 2, 4, 8)
 # 32: 82-105, 48: 104-109, 64: 128), so short prompts get finer buckets. Each costs one compile.
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512)
 MIN_KV_BUCKET = 128
-SHORT_PROMPT = 64  # prompts with at most this many tokens left may be prefilled together, a row each
-QUANT_PREFILL_ROWS = 16  # prefill programs of at most this many token rows read the quant blocks
+QUANT_PREFILL_ROWS = 16  # prefill chunks of at most this many tokens read the quant blocks (runner._params_for)
 
 
 FULL_STEP_ENV = "PANTHEON_FULL_STEP"
@@ -100,19 +99,16 @@ class DecodeWork:
 
 @dataclass
 class StepWork:
-    """What one scheduler step asks of the device: one prefill chunk, or several short prompts'
-    whole remainders prefilled together (`prompts`, each with its sampling), and the decode rows."""
+    """What one scheduler step asks of the device: at most one prefill chunk and the decode rows."""
 
     prefill: PrefillWork | None = None
     decode: DecodeWork | None = None
-    prompts: list[PrefillWork] = field(default_factory=list)
 
 
 @dataclass
 class StepOutput:
     prefill: SampleOutput | None = None  # one row, when the chunk ended its prompt
     decode: SampleOutput | None = None
-    prompts: SampleOutput | None = None  # one row per `StepWork.prompts` entry
 
 
 @dataclass
@@ -197,23 +193,22 @@ class ModelRunner:
             key = self._program_key(kind, name, layer, batch, chunk, static)
             return self.registry.call(key, fn, args, static)
 
-        params = self._params_for(kind, batch, chunk)
+        params = self._params_for(kind, chunk)
         logits, self.cache = self.family.forward(params, self.cache, tokens, positions, slots, logit_index,
                                                  spec=self.spec, numerics=self.numerics, kv_len=kv_len,
                                                  all_logits=all_logits, call=call)
         return logits
 
-    def _params_for(self, kind: str, batch: int, chunk: int):
-        """Decode, and prefill programs of at most QUANT_PREFILL_ROWS token rows, read the quant
-        blocks (weights.decode_view): a short chunk's cost is mostly reading the weights, and the
-        blocks are 4-6x fewer bytes than the f32 matrices (a 16-token chunk of the default model
-        60 -> 50 ms). Longer chunks are compute-bound, where XLA's f32 GEMM is the faster product;
-        but with `llamacpp` numerics every prefill reads the blocks too: the kernel's integer dot
-        products are llama.cpp's own arithmetic, row by row, and an f32 GEMM over the same rounded
-        activations sums in another order, which flips activation roundings downstream (a Q8_0
-        qwen3 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 through the
-        kernel), for about the GEMM's speed up to 64-token chunks."""
-        if kind == "decode" or batch * chunk <= QUANT_PREFILL_ROWS or self.numerics.mode == "llamacpp":
+    def _params_for(self, kind: str, chunk: int):
+        """Decode, and prefill chunks of at most QUANT_PREFILL_ROWS tokens, read the quant blocks
+        (weights.decode_view): a short chunk's cost is mostly reading the weights, which are 4.5x
+        fewer bytes there than as f32 (a 16-token chunk of the default model 71 -> 50 ms; at 32
+        tokens the f32 GEMM is already ahead, 99 against 109 ms). With `llamacpp` numerics every
+        prefill reads the blocks: the kernel's integer dot products are llama.cpp's own arithmetic,
+        row by row, while an f32 GEMM over the same rounded activations sums in another order and
+        flips activation roundings downstream (a Q8_0 qwen3 62-token prompt: 0.12 from llama.cpp's
+        log-probs through the GEMM, 4e-7 through the kernel)."""
+        if kind == "decode" or chunk <= QUANT_PREFILL_ROWS or self.numerics.mode == "llamacpp":
             return self.decode_params
         return self.prefill_params
 
@@ -228,31 +223,25 @@ class ModelRunner:
         shapes = lambda tree: jax.tree_util.tree_map(abstract, tree)  # noqa: E731
         cache = shapes(self.cache)  # fresh lists: the forward's in-place layer updates stay here
 
-        slot_bucket = bucket_for(self.n_slots, DECODE_BUCKETS)
-        # several short prompts a row each (scheduler._short_prompts): attention-only models
-        rows = [b for b in DECODE_BUCKETS if 1 < b <= slot_bucket] if self.family.can_truncate else []
-        programs = [(1, c) for c in CHUNK_BUCKETS] + [(b, c) for b in rows for c in CHUNK_BUCKETS if c <= SHORT_PROMPT]
-        for batch, chunk in programs:
+        for chunk in CHUNK_BUCKETS:
             if chunk > self.ctx:
-                continue
+                break
             seen: dict[str, int] = {}
 
-            def call(name, fn, args, static, batch=batch, chunk=chunk):
+            def call(name, fn, args, static, chunk=chunk):
                 layer = seen[name] = seen.get(name, -1) + 1
-                key = self._program_key("prefill", name, layer, batch, chunk, static)
+                key = self._program_key("prefill", name, layer, 1, chunk, static)
                 self.registry.precompile(key, fn, args, static)
                 return jax.eval_shape(lambda *a: fn(*a, **static), *args)
 
-            i32 = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-            one = jax.ShapeDtypeStruct((batch,), jnp.int32)
-            self.family.forward(shapes(self._params_for("prefill", batch, chunk)), cache, i32, i32, one, one, spec=self.spec,
+            i32 = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+            one = jax.ShapeDtypeStruct((1,), jnp.int32)
+            self.family.forward(shapes(self._params_for("prefill", chunk)), cache, i32, i32, one, one, spec=self.spec,
                                 numerics=self.numerics, kv_len=self.kv_bucket(chunk), all_logits=False, call=call)
         sampling = SlotSampling(SamplingParams(), np.zeros(2, np.uint32))
-        for b in [1] + rows:  # after a prefill chunk, or after several prompts' rows
-            logits = jax.ShapeDtypeStruct((b, self.spec.n_vocab), jnp.float32)
-            key, args, static = self._sample_program(logits, [self.scratch] * b, [sampling] * b, None, None,
-                                                     advance=False)
-            self.registry.precompile(key, sample, shapes(args), static)
+        logits = jax.ShapeDtypeStruct((1, self.spec.n_vocab), jnp.float32)
+        key, args, static = self._sample_program(logits, [self.scratch], [sampling], None, None, advance=False)
+        self.registry.precompile(key, sample, shapes(args), static)
         if self.full_step:
             for b in (b for b in DECODE_BUCKETS if b <= bucket_for(self.n_slots, DECODE_BUCKETS)):
                 key, args, static = self._step_sample_program(DecodeWork([self.scratch] * b, [0] * b, [0] * b,
@@ -279,23 +268,6 @@ class ModelRunner:
             outs.append(logits[0, :n] if all_logits else logits[0])
             pos += n
         return jnp.concatenate(outs) if all_logits else outs[-1]
-
-    def prefill_rows(self, prompts: list[PrefillWork]) -> jax.Array:
-        """Several prompts at once, one row each (each `tokens` within one chunk bucket): a small
-        chunk's cost is mostly reading the weights, which the rows share. Returns the logits of each
-        row's last token [bucket, V]; rows past len(prompts) are padding (the scratch slot)."""
-        b = bucket_for(len(prompts), DECODE_BUCKETS)
-        t = bucket_for(max(len(p.tokens) for p in prompts), CHUNK_BUCKETS)
-        ids = np.zeros((b, t), np.int32)
-        positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
-        rows = np.full(b, self.scratch, np.int32)
-        last = np.zeros(b, np.int32)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p.tokens)] = p.tokens
-            positions[i] += p.start
-            rows[i], last[i] = p.slot, len(p.tokens) - 1
-        return self._forward("prefill", ids, positions, rows, last,
-                             self.kv_bucket(max(p.start + len(p.tokens) for p in prompts)))
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> jax.Array:
         """One token for each active slot. Returns logits [bucket, V]; rows past len(slots) are padding.
@@ -369,15 +341,6 @@ class ModelRunner:
         its sampling call. Any exception leaves `self.cache` holding every live buffer (the
         forwards update it layer by layer); `repair` then replaces what a failure consumed."""
         out = StepOutput()
-        if work.prompts:
-            ps = work.prompts
-            with jax.profiler.TraceAnnotation("prefill_rows", rows=len(ps), tokens=sum(len(p.tokens) for p in ps)):
-                logits = self.prefill_rows(ps)
-            masks = [p.mask for p in ps]
-            mask = None if all(m is None for m in masks) else np.stack(
-                [np.full_like(next(m for m in masks if m is not None), -1) if m is None else m for m in masks])
-            out.prompts = self.sample(logits, [p.slot for p in ps], [p.sampling for p in ps], [p.forced for p in ps],
-                                      mask)
         p = work.prefill
         if p is not None:
             with jax.profiler.TraceAnnotation("prefill_chunk", slot=p.slot, tokens=len(p.tokens)):

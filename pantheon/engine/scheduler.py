@@ -34,7 +34,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError, failure_message
-from pantheon.engine.runner import SHORT_PROMPT, DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
+from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
 from pantheon.text.pipeline import ChoiceText
@@ -46,7 +46,6 @@ QUEUE_WAIT_S = 30.0
 STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
 SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
 SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
-PROMPT_ROWS = 8  # short prompts (runner.SHORT_PROMPT tokens left at most) prefilled together, a row each
 MAINTENANCE_S = 1.0
 
 
@@ -69,15 +68,14 @@ class Plan:
     prefill: Sequence | None = None
     chunk: list[int] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
-    prompts: list[Sequence] = field(default_factory=list)  # short prompts prefilled whole, together
     work: StepWork = field(default_factory=StepWork)
 
     @property
     def sequences(self) -> list[Sequence]:
-        return ([self.prefill] if self.prefill is not None else []) + self.prompts + self.decode
+        return ([self.prefill] if self.prefill is not None else []) + self.decode
 
     def __bool__(self) -> bool:
-        return self.prefill is not None or bool(self.prompts) or bool(self.decode)
+        return self.prefill is not None or bool(self.decode)
 
 
 class Scheduler:
@@ -178,14 +176,13 @@ class Scheduler:
             self._step_failed(plan, e)
             return True
         dt = time.perf_counter() - t0
-        prompt_tokens = len(plan.chunk) + sum(len(s.request.prompt_ids) - s.prefill_at for s in plan.prompts)
-        if prompt_tokens and not plan.decode:
-            self.engine.record_prefill(prompt_tokens, dt)
+        if plan.chunk and not plan.decode:
+            self.engine.record_prefill(len(plan.chunk), dt)
         elif plan.decode:
             self.engine.record_decode(len(plan.decode), dt)
-        for st in {id(s.state): s.state for s in ([plan.prefill] if plan.prefill else []) + plan.prompts}.values():
-            st.prefill_chunks += 1
-            st.prefill_s += dt
+        if plan.prefill is not None:
+            plan.prefill.state.prefill_chunks += 1
+            plan.prefill.state.prefill_s += dt
         for st in {id(s.state): s.state for s in plan.decode}.values():
             st.decode_steps += 1
             st.decode_s += dt
@@ -225,28 +222,13 @@ class Scheduler:
         self._admit()
         plan = Plan(decode=[s for s in self.running if s.decoding])
         prefilling = [s for s in self.running if s.prefilling]
-        plan.prompts = self._short_prompts(prefilling)
-        if plan.prompts:
-            for seq in plan.prompts:
-                seq.prefill_turn = self._steps + 1
-        elif prefilling:
+        if prefilling:
             seq = min(prefilling, key=lambda s: s.prefill_turn)
             seq.prefill_turn = self._steps + 1
             plan.prefill = seq
             plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + self._chunk_size(seq)]
         plan.work = self._work(plan)
         return plan
-
-    def _short_prompts(self, prefilling: list[Sequence]) -> list[Sequence]:
-        """Two or more prompts with at most SHORT_PROMPT tokens left (new requests arriving together,
-        next turns of sessions) are prefilled in one step, one row each: a small chunk's cost is
-        mostly reading the weights, which the rows then share, so each waits one step for its first
-        token instead of one per prompt ahead of it. Attention-only models (a recurrent state's
-        prefill stays one prompt per step)."""
-        if not self.table.can_truncate:
-            return []
-        short = [s for s in prefilling if len(s.request.prompt_ids) - s.prefill_at <= SHORT_PROMPT]
-        return sorted(short, key=lambda s: s.prefill_turn)[:PROMPT_ROWS] if len(short) >= 2 else []
 
     def _chunk_size(self, seq: Sequence) -> int:
         """STEP_TOKENS when the prompt has the device to itself. Shared with other sequences, a chunk
@@ -259,11 +241,6 @@ class Scheduler:
 
     def _work(self, plan: Plan) -> StepWork:
         work = StepWork()
-        if plan.prompts:
-            masks = self._masks(plan.prompts)
-            work.prompts = [PrefillWork(s.slot.index, s.request.prompt_ids[s.prefill_at:], s.prefill_at, s.sampling,
-                                        s.take_forced(), None if masks is None else masks[i])
-                            for i, s in enumerate(plan.prompts)]
         seq = plan.prefill
         if seq is not None:
             work.prefill = PrefillWork(seq.slot.index, plan.chunk, seq.prefill_at)
@@ -367,12 +344,6 @@ class Scheduler:
             seq.history.extend(plan.chunk)
             if out.prefill is not None:
                 self._accept(seq, out.prefill, 0)
-        for s in plan.prompts:
-            rest = s.request.prompt_ids[s.prefill_at:]
-            s.prefill_at += len(rest)
-            s.history.extend(rest)
-        for i, s in enumerate(plan.prompts):
-            self._accept(s, out.prompts, i)
         for s in plan.decode:
             s.history.append(s.last)
             s.last = None

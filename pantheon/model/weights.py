@@ -38,13 +38,15 @@ def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
 
 
 def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
-    """A matrix [out, in] as its raw quant blocks (host uint8 [out, row bytes]), where the native
-    kernel reads its type (pantheon/native/qmatmul.py); else None."""
+    """A matrix [out, in] as quant blocks (host uint8 [out, row bytes]), where the native kernel
+    reads its type (pantheon/native/qmatmul.py): 4-bit blocks with their nibbles unpacked to bytes
+    (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None."""
     info = g.tensor_info(name)
     if len(info.shape) != 2 or not native.supported(info.ggml_type):
         return None
-    blocks = np.asarray(g.tensor_data(name)).reshape(info.shape[0], -1)
-    return native.QMatrix(blocks, int(info.ggml_type), int(info.shape[1]))
+    blocks, qtype = native.unpack_nibbles(np.asarray(g.tensor_data(name)).reshape(info.shape[0], -1),
+                                          int(info.ggml_type))
+    return native.QMatrix(blocks, qtype, int(info.shape[1]))
 
 
 def _split_rows(a, sections: list[int]) -> list:

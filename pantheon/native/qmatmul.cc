@@ -20,7 +20,9 @@
 namespace pantheon {
 namespace {
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type ids
+// ggml's type ids, and Pantheon's U4_1: Q4_1 with each nibble in its own byte (d, m, 32 x u8; see
+// qmatmul.unpack_nibbles), which one widening load turns into 8 weights.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kU4_1 = 1003 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -28,12 +30,15 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 // hardware prefetcher alone left a batch-1 step of the default model ~8 % slower).
 constexpr int64_t PREFETCH = 1024;
 
-constexpr int64_t block_bytes(int64_t t) { return t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : t == kQ8_0 ? 34 : 0; }
+constexpr int64_t block_bytes(int64_t t) {
+  return t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : t == kQ8_0 ? 34 : t == kU4_1 ? 36 : 0;
+}
+constexpr bool has_min(int64_t t) { return t == kQ4_1 || t == kU4_1; }  // weight = d * w + m
 
 // A block's scale d and (Q4_1) min m: weight = d * w + m.
 template <int64_t t>
 inline void scales(const uint8_t* b, float& d, float& m) {
-  if constexpr (t == kQ4_1) {  // d and m, converted together
+  if constexpr (has_min(t)) {  // d and m, converted together
     uint32_t dm;
     std::memcpy(&dm, b, 4);
     const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
@@ -56,6 +61,11 @@ inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
     for (int i = 0; i < 4; ++i) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
       w[i] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    }
+  } else if constexpr (t == kU4_1) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * i));
+      w[i] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
     }
   } else {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (t == kQ4_1 ? 4 : 2)));
@@ -89,7 +99,7 @@ inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* 
       v8f s = w[0] * load8(xr);
       for (int i = 1; i < 4; ++i) s = fma8(w[i], load8(xr + 8 * i), s);
       acc[r] = fma8(s, v8f{} + d, acc[r]);
-      if constexpr (t == kQ4_1) macc[r] += mn * xsum[(m0 + r) * nb + j];
+      if constexpr (has_min(t)) macc[r] += mn * xsum[(m0 + r) * nb + j];
     }
   }
   for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + macc[r];
@@ -142,8 +152,8 @@ struct Q8Rows {
   const float* s;
 };
 
-// The 32 weights of one block as bytes for maddubs (unsigned first operand): Q4_1 its nibbles
-// (0..15) as they are; Q4_0 (nibble - 8) and Q8_0 as |w|, with the signs in `sign` to move onto
+// The 32 weights of one block as bytes for maddubs (unsigned first operand): Q4_1's and U4_1's
+// (0..15) as they are; Q4_0's (nibble - 8) and Q8_0's as |w|, with the signs in `sign` to move onto
 // the activations (_mm256_sign_epi8), as ggml does. Low nibbles are weights 0-15, high 16-31.
 template <int64_t t>
 inline void block_bytes8(const uint8_t* b, __m256i& w, __m256i& sign, float& d, float& m) {
@@ -151,6 +161,8 @@ inline void block_bytes8(const uint8_t* b, __m256i& w, __m256i& sign, float& d, 
   if constexpr (t == kQ8_0) {
     sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
     w = _mm256_sign_epi8(sign, sign);
+  } else if constexpr (t == kU4_1) {
+    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
   } else {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (t == kQ4_1 ? 4 : 2)));
     const __m128i mask = _mm_set1_epi8(15);
@@ -178,10 +190,10 @@ inline void tile8(const Q8Rows& a, const uint8_t* wrow, float* y, int64_t N, int
     for (int64_t r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
       __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * K + j * 32));
-      if constexpr (t != kQ4_1) xq = _mm256_sign_epi8(xq, sign);
+      if constexpr (!has_min(t)) xq = _mm256_sign_epi8(xq, sign);
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);  // exact: |pair| < 2^15
       acc[r] = fma8((v8f)_mm256_cvtepi32_ps(dot), v8f{} + d * a.d[row * nb + j], acc[r]);
-      if constexpr (t == kQ4_1) macc[r] += mn * a.s[row * nb + j];
+      if constexpr (has_min(t)) macc[r] += mn * a.s[row * nb + j];
     }
   }
   for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + macc[r];
@@ -204,6 +216,7 @@ void columns8(int64_t t, const Q8Rows& a, const uint8_t* w, float* y, int64_t M,
               int64_t n1) {
   if (t == kQ4_0) columns8<kQ4_0>(a, w, y, M, N, K, n0, n1);
   else if (t == kQ4_1) columns8<kQ4_1>(a, w, y, M, N, K, n0, n1);
+  else if (t == kU4_1) columns8<kU4_1>(a, w, y, M, N, K, n0, n1);
   else columns8<kQ8_0>(a, w, y, M, N, K, n0, n1);
 }
 
@@ -211,6 +224,7 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
              int64_t K, int64_t n0, int64_t n1) {
   if (t == kQ4_0) columns<kQ4_0>(x, xsum, w, y, M, N, K, n0, n1);
   else if (t == kQ4_1) columns<kQ4_1>(x, xsum, w, y, M, N, K, n0, n1);
+  else if (t == kU4_1) columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1);
   else columns<kQ8_0>(x, xsum, w, y, M, N, K, n0, n1);
 }
 

@@ -136,40 +136,6 @@ def test_a_repeated_prompt_sends_its_last_token_through_a_decode_step(engine):
     assert end_warm.prompt_tokens == 40 and end_warm.kv_used == end_cold.kv_used
 
 
-def test_short_prompts_arriving_together_are_prefilled_in_one_step(engine):
-    """Four short prompts submitted at once: one prefill step serves all four (a row each), each
-    gets its first token from it, and every output equals the prompt's run alone."""
-    prompts = [prompt_of(n, 20 + n) for n in (5, 12, 30, 47)]
-    alone = [engine_tokens(engine, request(p, max_tokens=5)) for p in prompts]
-    rows_before = sum(n for b, n in engine.runner.registry.calls("prefill").items() if b[0] > 1)
-
-    async def main():
-        gate = threading.Event()
-
-        def hold():  # forget the alone runs' KV (else all but each last token is cached), and hold
-            for slot in engine.table.slots:  # the device thread until all four are queued
-                engine.table.invalidate(slot)
-            gate.wait(30)
-
-        engine.scheduler.put(("call", (hold, lambda result, error: None)))
-
-        async def events(p):
-            return [ev async for ev in engine.submit(request(p, max_tokens=5))]
-
-        tasks = [asyncio.create_task(events(p)) for p in prompts]
-        await asyncio.sleep(0.3)
-        gate.set()
-        return await asyncio.gather(*tasks)
-
-    together = asyncio.run(main())
-    ends = [evs[-1] for evs in together]
-    assert all(isinstance(e, RequestEnd) for e in ends)
-    assert [[t.token for ev in evs if isinstance(ev, Delta) for t in ev.tokens] for evs in together] == alone
-    assert all(e.timing["prefill_chunks"] == 1 and e.cached_tokens == 0 for e in ends), [e.timing for e in ends]
-    # they went through a multi-row prefill program
-    assert sum(n for b, n in engine.runner.registry.calls("prefill").items() if b[0] > 1) > rows_before
-
-
 def test_a_failed_step_fails_its_request_and_the_next_request_and_sessions_are_served(engine):
     first = run_events(engine, request(prompt_of(20, 7), max_tokens=5, session_id="kept"))
     end = next(ev for ev in first if isinstance(ev, RequestEnd))

@@ -1,6 +1,5 @@
-"""The compile warm-up at load (runner.warm_up): every prefill chunk bucket's programs (and, on
-attention-only models, those of several short prompts a row each), the sampler after a prefill and
-the full decode step of every batch bucket are compiled from abstract shapes,
+"""The compile warm-up at load (runner.warm_up): every prefill chunk bucket's programs, the sampler
+after a prefill and the full decode step of every batch bucket are compiled from abstract shapes,
 so no request waits for a compile. After it, prefills of any length and decode steps at any batch
 size compile nothing new, give the same logits as a runner that compiled on first use, and the
 residency counters still count only the slots a forward has reached."""
@@ -10,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pantheon.engine.runner import CHUNK_BUCKETS, DecodeWork, ModelRunner, PrefillWork
+from pantheon.engine.runner import CHUNK_BUCKETS, DecodeWork, ModelRunner
 from pantheon.engine.sampler import SamplingParams
 from pantheon.gguf import open_gguf
 from pantheon.model.family import family_of
@@ -44,9 +43,6 @@ def serve(runner: ModelRunner) -> list[np.ndarray]:
            np.asarray(runner.prefill(0, list(range(7, 27)), 5))]
     sampling = [runner.start_sampling(s, SamplingParams(temperature=0)) for s in range(2)]
     out.append(np.asarray(runner.sample(runner.prefill(1, [6], 40)[None], [1], [sampling[1]]).tokens))
-    if runner.family.can_truncate:  # two short prompts prefilled together, a row each, and sampled
-        rows = [PrefillWork(0, list(range(2, 9)), 25), PrefillWork(1, list(range(4, 24)), 41)]
-        out.append(np.asarray(runner.sample(runner.prefill_rows(rows), [0, 1], sampling).tokens))
     for slots, pos in (([0], 25), ([0, 1], 41)):
         work = DecodeWork(slots, [11] * len(slots), [pos] * len(slots), [sampling[s] for s in slots])
         out.append(np.asarray(runner.decode_and_sample(work).tokens))
