@@ -5,8 +5,9 @@ compute-bound product there. Layer matrices are stored [in, out] (x @ W), which 
 streams faster than x @ W^T; `params["layers"]` is a list with one dict per layer. Decode is
 bandwidth-bound, and no int8/bf16 formulation of XLA's streams faster than f32
 (research/jax_feasibility.md §4), so where the native kernel is built (pantheon/native/qmatmul.py)
-the matrices of Q4_0/Q4_1/Q8_0 types are also kept in their blocks, `params["decode"]`, and the
-decode programs read those (`decode_view`)."""
+the matrices of Q4_0/Q4_1/Q8_0 types are also kept in blocks (4-bit values widened to bytes,
+qmatmul.unpack_nibbles), `params["decode"]`, and the decode programs and short prefill chunks read
+those (`decode_view`, runner._params_for)."""
 
 from __future__ import annotations
 

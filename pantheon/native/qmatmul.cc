@@ -1,11 +1,12 @@
-// y[M, N] = x[M, K] . W^T for W[N, K] held in ggml's quant blocks (Q4_0, Q4_1, Q8_0), as an XLA FFI
-// custom call on the CPU. XLA:CPU has no quantized matmul: dequantized f32 weights stream 4-6x the
+// y[M, N] = x[M, K] . W^T for W[N, K] held in 8-bit quant blocks (Q8_0, or U4_1: a Q4_1 block with
+// each nibble in its own byte; qmatmul.unpack_nibbles loads Q4_0 as Q8_0 and Q4_1 as U4_1), as an
+// XLA FFI custom call on the CPU. XLA:CPU has no quantized matmul: dequantized f32 weights stream 4-6x the
 // bytes of the blocks, which bounds decode. Two formulations:
 //  - f32 activations ("exact" numerics): the blocks are dequantized in registers and multiplied
 //    with x in f32 (~10 cycles per block and row at batch 1 on an AVX2 EPYC);
 //  - 8-bit activations ("llamacpp" numerics): x is first rounded to Q8_0 blocks exactly as
-//    ggml-cpu's x86 quantizer rounds it (Q8_1 against Q4_1: the same values plus an fp16 block
-//    sum), and each block is an integer dot product (maddubs/madd), as llama.cpp computes it
+//    ggml-cpu's x86 quantizer rounds it (Q8_1 against Q4_1/U4_1: the same values plus an fp16
+//    block sum), and each block is an integer dot product (maddubs/madd), as llama.cpp computes it
 //    (~6 cycles per block and row).
 //
 // Every output element is computed by the same instruction sequence whatever M is (rows are never
@@ -20,9 +21,8 @@
 namespace pantheon {
 namespace {
 
-// ggml's type ids, and Pantheon's U4_1: Q4_1 with each nibble in its own byte (d, m, 32 x u8; see
-// qmatmul.unpack_nibbles), which one widening load turns into 8 weights.
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kU4_1 = 1003 };
+// ggml's Q8_0 (d, 32 x int8) and Pantheon's U4_1 (d, m, 32 x u8): one widening load gives 8 weights.
+enum QType : int64_t { kQ8_0 = 8, kU4_1 = 1003 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -30,12 +30,10 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 // hardware prefetcher alone left a batch-1 step of the default model ~8 % slower).
 constexpr int64_t PREFETCH = 1024;
 
-constexpr int64_t block_bytes(int64_t t) {
-  return t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : t == kQ8_0 ? 34 : t == kU4_1 ? 36 : 0;
-}
-constexpr bool has_min(int64_t t) { return t == kQ4_1 || t == kU4_1; }  // weight = d * w + m
+constexpr int64_t block_bytes(int64_t t) { return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : 0; }
+constexpr bool has_min(int64_t t) { return t == kU4_1; }  // weight = d * w + m
 
-// A block's scale d and (Q4_1) min m: weight = d * w + m.
+// A block's scale d and (U4_1) min m: weight = d * w + m.
 template <int64_t t>
 inline void scales(const uint8_t* b, float& d, float& m) {
   if constexpr (has_min(t)) {  // d and m, converted together
@@ -53,35 +51,16 @@ inline void scales(const uint8_t* b, float& d, float& m) {
 }
 
 // The 32 weights of one block as four vectors (elements 0-7, 8-15, 16-23, 24-31) and its scales.
-// Low nibbles of a Q4 block are weights 0-15, high 16-31.
 template <int64_t t>
 inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
   scales<t>(b, d, m);
-  if constexpr (t == kQ8_0) {
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
-      w[i] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-    }
-  } else if constexpr (t == kU4_1) {
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * i));
-      w[i] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-    }
-  } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (t == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    w[0] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  for (int i = 0; i < 4; ++i) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + (has_min(t) ? 4 : 2) + 8 * i));
+    w[i] = (v8f)_mm256_cvtepi32_ps(has_min(t) ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q));
   }
-  if constexpr (t == kQ4_0) for (int i = 0; i < 4; ++i) w[i] -= 8.f;
 }
 
-
-
-// R rows m0.. of output column n. xsum[m, blk]: block sums of x (Q4_1's min term).
+// R rows m0.. of output column n. xsum[m, blk]: block sums of x (U4_1's min term).
 template <int64_t t, int64_t R>
 inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
                  int64_t m0, int64_t n) {
@@ -152,25 +131,17 @@ struct Q8Rows {
   const float* s;
 };
 
-// The 32 weights of one block as bytes for maddubs (unsigned first operand): Q4_1's and U4_1's
-// (0..15) as they are; Q4_0's (nibble - 8) and Q8_0's as |w|, with the signs in `sign` to move onto
-// the activations (_mm256_sign_epi8), as ggml does. Low nibbles are weights 0-15, high 16-31.
+// The 32 weights of one block as bytes for maddubs (unsigned first operand): U4_1's (0..15) as
+// they are; Q8_0's as |w|, with the signs in `sign` to move onto the activations
+// (_mm256_sign_epi8), as ggml does.
 template <int64_t t>
 inline void block_bytes8(const uint8_t* b, __m256i& w, __m256i& sign, float& d, float& m) {
   scales<t>(b, d, m);
-  if constexpr (t == kQ8_0) {
-    sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    w = _mm256_sign_epi8(sign, sign);
-  } else if constexpr (t == kU4_1) {
+  if constexpr (has_min(t)) {
     w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
   } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (t == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(15);
-    w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-    if constexpr (t == kQ4_0) {
-      sign = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-      w = _mm256_sign_epi8(sign, sign);
-    }
+    sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    w = _mm256_sign_epi8(sign, sign);
   }
 }
 
@@ -214,17 +185,13 @@ void columns8(const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N,
 
 void columns8(int64_t t, const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
               int64_t n1) {
-  if (t == kQ4_0) columns8<kQ4_0>(a, w, y, M, N, K, n0, n1);
-  else if (t == kQ4_1) columns8<kQ4_1>(a, w, y, M, N, K, n0, n1);
-  else if (t == kU4_1) columns8<kU4_1>(a, w, y, M, N, K, n0, n1);
+  if (t == kU4_1) columns8<kU4_1>(a, w, y, M, N, K, n0, n1);
   else columns8<kQ8_0>(a, w, y, M, N, K, n0, n1);
 }
 
 void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, float* y, int64_t M, int64_t N,
              int64_t K, int64_t n0, int64_t n1) {
-  if (t == kQ4_0) columns<kQ4_0>(x, xsum, w, y, M, N, K, n0, n1);
-  else if (t == kQ4_1) columns<kQ4_1>(x, xsum, w, y, M, N, K, n0, n1);
-  else if (t == kU4_1) columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1);
+  if (t == kU4_1) columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1);
   else columns<kQ8_0>(x, xsum, w, y, M, N, K, n0, n1);
 }
 

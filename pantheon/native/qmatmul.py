@@ -2,11 +2,12 @@
 
 XLA:CPU has no quantized matmul, and no int8/bf16 formulation of its own streams faster than f32
 (research/jax_feasibility.md §4); but batch decode reads every weight once per token, so the bytes
-read bound it: SmolLM2-135M is 538 MB as f32 and 85 MB as Q4_1/Q8_0 blocks. `qmatmul` is an XLA FFI
+read bound it: SmolLM2-135M is 538 MB as f32, 85 MB as its GGUF's Q4_1/Q8_0 blocks and 150 MB as the
+kernel reads them (4-bit values widened to bytes, `unpack_nibbles`). `qmatmul` is an XLA FFI
 custom call (qmatmul.cc) that reads the blocks inside the compiled program like any other op, in
 one of two formulations: f32 activations times weights dequantized in registers ("exact"
 numerics), or activations first rounded to 8-bit blocks and integer dot products, as llama.cpp's
-CPU backend computes them ("llamacpp" numerics; ~4x less arithmetic). `qmatmul_reference` is the
+CPU backend computes them ("llamacpp" numerics; ~1.5x less time per block). `qmatmul_reference` is the
 same product in plain jnp (round the activations the same way, dequantize, einsum): the kernel is
 tested against it.
 
@@ -29,13 +30,16 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids the kernel takes from a GGUF
 U4_1 = 1003
 # type id -> bytes per 32-weight block
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, U4_1: 36}
+# the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles)
+KERNEL_LAYOUT = {Q4_0: Q8_0, Q4_1: U4_1, Q8_0: Q8_0}
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True)
 class QMatrix:
     """A weight W [n_out, n_in] as ggml blocks: `blocks` uint8 [n_out, n_in / 32 * block bytes], each
-    row the blocks of one output. qtype: a BLOCK_BYTES key (a ggml type id, or U4_1)."""
+    row the blocks of one output. qtype: a BLOCK_BYTES key (a ggml type id, or U4_1); the kernel
+    reads Q8_0 and U4_1 (KERNEL_LAYOUT's values)."""
 
     blocks: jax.Array
     qtype: int
@@ -59,16 +63,16 @@ class QMatrix:
 
 def supported(ggml_type: int) -> bool:
     """Whether the kernel reads a GGUF matrix of this ggml type."""
-    return int(ggml_type) in (Q4_0, Q4_1, Q8_0)
+    return int(ggml_type) in KERNEL_LAYOUT
 
 
 def unpack_nibbles(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, int]:
     """4-bit blocks as the kernel reads them fastest, losslessly: Q4_0 becomes Q8_0 (nibble - 8 as
     int8, the same values, the same scale) and Q4_1 becomes U4_1 (each nibble in its own byte).
-    Splitting and widening nibbles took about a third of the kernel's instructions per block;
-    after this one load widens 8 weights. The blocks are 1.8x the bytes (SmolLM2: 66 -> 119 MB),
+    The kernel reads only these layouts: splitting nibbles took about a third of its instructions
+    per block, and now one load widens 8 weights. The blocks are 1.8x the bytes (SmolLM2: 66 -> 119 MB),
     still 4.5x fewer than f32. blocks: uint8 [n_out, row bytes] -> (blocks, type)."""
-    if qtype not in (Q4_0, Q4_1):
+    if KERNEL_LAYOUT.get(qtype, qtype) == qtype:
         return blocks, qtype
     head = 2 if qtype == Q4_0 else 4  # d (and m), fp16
     b = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[qtype])
@@ -77,16 +81,13 @@ def unpack_nibbles(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, int]:
     if qtype == Q4_0:
         values = (values.astype(np.int16) - 8).astype(np.int8).view(np.uint8)
     out = np.concatenate([b[..., :head], values], axis=-1).reshape(blocks.shape[0], -1)
-    return np.ascontiguousarray(out), (Q8_0 if qtype == Q4_0 else U4_1)
+    return np.ascontiguousarray(out), KERNEL_LAYOUT[qtype]
 
 
 def decode_bytes(ggml_type: int, nbytes: int) -> int:
     """Bytes a GGUF matrix of `nbytes` takes once loaded for the kernel (after unpack_nibbles)."""
-    if int(ggml_type) == Q4_0:
-        return nbytes * BLOCK_BYTES[Q8_0] // BLOCK_BYTES[Q4_0]
-    if int(ggml_type) == Q4_1:
-        return nbytes * BLOCK_BYTES[U4_1] // BLOCK_BYTES[Q4_1]
-    return nbytes
+    t = int(ggml_type)
+    return nbytes * BLOCK_BYTES[KERNEL_LAYOUT[t]] // BLOCK_BYTES[t]
 
 
 def dequantize_blocks(blocks: jax.Array, qtype: int) -> jax.Array:
@@ -101,7 +102,9 @@ def dequantize_blocks(blocks: jax.Array, qtype: int) -> jax.Array:
 
 def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
-    x rounded to Q8_0 blocks first (Q8_1 against Q4_1), as ggml-cpu does."""
+    x rounded to Q8_0 blocks first (Q8_1 against U4_1), as ggml-cpu does."""
+    if w.qtype not in (Q8_0, U4_1):
+        raise ValueError(f"qmatmul reads Q8_0 and U4_1 blocks, not type {w.qtype}: load them through unpack_nibbles")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.n_in).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n_out), jnp.float32))
@@ -111,7 +114,7 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
 
 def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """The product in plain jnp: round x (numerics.quantize_q8_0), dequantize the weights
-    (pantheon.gguf.quants), einsum. Against Q4_1, ggml's Q8_1 carries each block's sum
+    (pantheon.gguf.quants), einsum. Against U4_1 (as against Q4_1), ggml's Q8_1 carries each block's sum
     s = d * sum(q) rounded to fp16, which multiplies the weight block's minimum: that rounding is
     applied here too."""
     x = x.astype(jnp.float32)
@@ -122,7 +125,7 @@ def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) 
 
     q, d, s = quantize_q8_0(x)
     y = jnp.einsum("...i,oi->...o", (q * d).reshape(x.shape), dense, precision=jax.lax.Precision.HIGHEST)
-    if w.qtype in (Q4_1, U4_1):  # the minimum term uses s, not d * sum(q)
+    if w.qtype == U4_1:  # the minimum term uses s, not d * sum(q)
         nb = w.n_in // 32
         mins = jax.lax.bitcast_convert_type(w.blocks.reshape(w.n_out, nb, BLOCK_BYTES[w.qtype])[..., 2:4], jnp.float16)
         sum_error = s[..., 0] - d[..., 0] * jnp.sum(q, axis=-1)  # [..., nb]

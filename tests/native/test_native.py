@@ -11,13 +11,11 @@ from gguf.constants import GGMLQuantizationType as Q
 from pantheon.gguf.quants import dequantize_np, quantize_np
 from pantheon.native import build
 from pantheon.native.attention import attention_decode
-from pantheon.native.qmatmul import QMatrix, dequantize_blocks, embed_rows, qmatmul, qmatmul_reference, unpack_nibbles
+from pantheon.native.qmatmul import U4_1, QMatrix, dequantize_blocks, embed_rows, qmatmul, qmatmul_reference, unpack_nibbles
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import cached_attention_blocked
 
-QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
-# the GGUF types, and the layouts the models load them in (qmatmul.unpack_nibbles)
-LAYOUTS = [(t, False) for t in QTYPES] + [(Q.Q4_0, True), (Q.Q4_1, True)]
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # GGUF types, in the layouts the models load them (unpack_nibbles)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,25 +24,20 @@ def native():
     assert build.available(), build.unavailable_reason()
 
 
-def random_matrix(rng, n_out: int, n_in: int, qtype, unpacked: bool = False) -> tuple[QMatrix, np.ndarray]:
+def random_matrix(rng, n_out: int, n_in: int, qtype) -> tuple[QMatrix, np.ndarray]:
+    """A random matrix quantized to `qtype` as the models load it, and its dequantized GGUF values."""
     values = (rng.standard_normal((n_out, n_in)) * rng.uniform(0.01, 2.0)).astype(np.float32)
     blocks = quantize_np(values, qtype).reshape(n_out, -1)
     dense = dequantize_np(blocks, qtype).reshape(n_out, n_in)
-    if unpacked:
-        packed, (blocks, qtype) = blocks, unpack_nibbles(blocks, int(qtype))
-        assert blocks.shape[1] > packed.shape[1]
-    return QMatrix(jnp.asarray(blocks), int(qtype), n_in), dense
+    blocks, layout = unpack_nibbles(blocks, int(qtype))
+    return QMatrix(jnp.asarray(blocks), layout, n_in), dense
 
 
-def layout_id(layout) -> str:
-    return layout[0].name + ("-unpacked" if layout[1] else "")
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_qmatmul_matches_the_reference(layout):
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_qmatmul_matches_the_reference(qtype):
     rng = np.random.default_rng()
     for n_out, n_in, m in ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)):
-        w, dense = random_matrix(rng, n_out, n_in, *layout)
+        w, dense = random_matrix(rng, n_out, n_in, qtype)
         x = jnp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
         got = np.asarray(jax.jit(qmatmul)(x, w))
         ref = np.asarray(jax.jit(qmatmul_reference)(x, w))
@@ -54,15 +47,15 @@ def test_qmatmul_matches_the_reference(layout):
         assert np.abs(ref - exact).max() <= 2e-6 * scale * np.sqrt(n_in / 32)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_qmatmul_with_8bit_activations_matches_the_reference(layout):
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_qmatmul_with_8bit_activations_matches_the_reference(qtype):
     """llamacpp numerics: x rounded to Q8_0/Q8_1 blocks in the kernel, integer dot products. The
     reference rounds x in jnp (numerics.quantize_q8_0) and dequantizes: the same values, so only
     f32 summation order may differ; the rounding itself moves the product far more (checked, so
     the kernel cannot be quietly computing the f32 product instead)."""
     rng = np.random.default_rng()
     for n_out, n_in, m in ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)):
-        w, dense = random_matrix(rng, n_out, n_in, *layout)
+        w, dense = random_matrix(rng, n_out, n_in, qtype)
         x = rng.standard_normal((m, n_in)).astype(np.float32)
         x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
         x = jnp.asarray(x)
@@ -75,11 +68,11 @@ def test_qmatmul_with_8bit_activations_matches_the_reference(layout):
 
 
 @pytest.mark.parametrize("int8_activations", (False, True), ids=("f32", "int8"))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_qmatmul_row_does_not_depend_on_its_batch(layout, int8_activations):
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_qmatmul_row_does_not_depend_on_its_batch(qtype, int8_activations):
     """Rows go through 8-, 4-, 2-row tiles or alone (qmatmul.cc); a row's result must be bit-identical."""
     rng = np.random.default_rng()
-    w, _ = random_matrix(rng, 300, 640, *layout)
+    w, _ = random_matrix(rng, 300, 640, qtype)
     x = jnp.asarray(rng.standard_normal((11, 640)).astype(np.float32))
 
     def f(x, w):
@@ -116,10 +109,10 @@ def test_8bit_activation_rounding_is_ggml_x86s():
     assert np.sum(roundf != want) >= 15  # the halves, which C's roundf would round away from zero
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_qmatmul_keeps_leading_axes_and_embeds_rows(layout):
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_qmatmul_keeps_leading_axes_and_embeds_rows(qtype):
     rng = np.random.default_rng()
-    w, dense = random_matrix(rng, 70, 64, *layout)
+    w, dense = random_matrix(rng, 70, 64, qtype)
     x = jnp.asarray(rng.standard_normal((2, 3, 64)).astype(np.float32))
     assert qmatmul(x, w).shape == (2, 3, 70)
     ids = jnp.asarray([[5, 69], [0, 5]], jnp.int32)
@@ -127,17 +120,17 @@ def test_qmatmul_keeps_leading_axes_and_embeds_rows(layout):
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
-def test_unpacked_nibbles_hold_the_same_weights_in_the_same_products(qtype):
-    """unpack_nibbles is lossless, and the kernel's products on the unpacked layout equal those on
-    the 4-bit blocks bit for bit in both formulations (the same values, the same arithmetic)."""
+def test_unpacked_nibbles_hold_the_same_weights_and_the_kernel_reads_only_them(qtype):
+    """unpack_nibbles is lossless (Q4_0 -> Q8_0, Q4_1 -> U4_1, 1.8x the bytes); the kernel refuses
+    the 4-bit layout with a message rather than misreading it."""
     rng = np.random.default_rng()
-    packed, dense = random_matrix(rng, 96, 256, qtype)
-    unpacked = QMatrix(jnp.asarray(unpack_nibbles(np.asarray(packed.blocks), int(qtype))[0]),
-                       unpack_nibbles(np.asarray(packed.blocks), int(qtype))[1], 256)
-    np.testing.assert_array_equal(np.asarray(dequantize_blocks(unpacked.blocks, unpacked.qtype)).reshape(96, 256), dense)
-    x = jnp.asarray(rng.standard_normal((5, 256)).astype(np.float32))
-    for int8 in (False, True):
-        np.testing.assert_array_equal(np.asarray(qmatmul(x, unpacked, int8)), np.asarray(qmatmul(x, packed, int8)))
+    packed = quantize_np(rng.standard_normal((96, 256)).astype(np.float32), qtype).reshape(96, -1)
+    blocks, layout = unpack_nibbles(packed, int(qtype))
+    assert layout == (Q.Q8_0 if qtype == Q.Q4_0 else U4_1) and blocks.shape[1] == 8 * (34 if qtype == Q.Q4_0 else 36)
+    np.testing.assert_array_equal(np.asarray(dequantize_blocks(jnp.asarray(blocks), layout)),
+                                  dequantize_np(packed, qtype).reshape(96, 256))
+    with pytest.raises(ValueError, match="unpack_nibbles"):
+        qmatmul(jnp.ones((1, 256), jnp.float32), QMatrix(jnp.asarray(packed), int(qtype), 256))
 
 
 def test_attention_decode_matches_the_blocked_reference():
