@@ -106,7 +106,7 @@ class Engine:
         self.registry = GraphRegistry()
         self.device = device
         self.dtype = compute_dtype(backend_of(device))  # bf16 on a GPU, f32 on the CPU (model/dtypes.py)
-        params = family.load_params(self.gguf, self.spec, dtype=self.dtype, device=device)
+        params = family.load_params(self.gguf, self.spec, dtype=self.dtype, device=device, numerics=self.numerics)
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device,
                                   dtype=self.dtype)
         # Idle sessions move to host memory (the process-wide PN_SESSION_HOST_BYTES budget) rather

@@ -233,6 +233,50 @@ def dequantize_np(data, ggml_type) -> np.ndarray:
     return np.asarray(_dequantize_jit(data, _qtype(ggml_type)))
 
 
+# ---- integer parts (ggml's integer dot products) -------------------------------------------------
+# Byte offsets of each block type's fp16 scale `d` and of its second fp16 field (the K-quants'
+# `dmin`, Q4_1/Q5_1's `m`), and the weights per min: every format is w = d * c + dmin * mn with c
+# the integer code times its integer sub-block scale and mn an integer per `group` weights
+# (K-quants: -m; Q4_1/Q5_1: 1, i.e. the block's m itself).
+SCALE_FIELDS = {T.Q8_0: (0, None, 0), T.Q4_0: (0, None, 0), T.Q5_0: (0, None, 0), T.Q4_1: (0, 2, 32),
+                T.Q5_1: (0, 2, 32), T.Q2_K: (80, 82, 16), T.Q3_K: (108, None, 0), T.Q4_K: (0, 2, 32),
+                T.Q5_K: (0, 2, 32), T.Q6_K: (208, None, 0)}
+_FP16_ONE = (0x00, 0x3C)
+
+
+def _with_fields(b: jax.Array, values: dict[int, tuple[int, int]]) -> jax.Array:
+    """Blocks b (..., n_blocks, type_size) with the fp16 fields at the given offsets overwritten."""
+    for off, (lo, hi) in values.items():
+        b = b.at[..., off].set(jnp.uint8(lo)).at[..., off + 1].set(jnp.uint8(hi))
+    return b
+
+
+def integer_parts(data, ggml_type):
+    """Raw tensor data (..., row_bytes) -> (c, d, mn, dmin) with w = d * c + dmin * mn per block, the
+    split ggml's integer dot products use (llama.cpp multiplies the float scales onto exact integer
+    sums). c float32 (..., n) holds integers (code times integer sub-block scale, |c| < 2**13);
+    d float32 (..., n / block); mn float32 (..., n / group) integers and dmin (..., n / block), both
+    None for formats without a min. Found by decoding the blocks with d = 1, dmin = 0 and with
+    d = 0, dmin = 1, so it shares the dequantizers' bit layouts. jit-able, ggml_type static."""
+    qtype = _qtype(ggml_type)
+    if qtype not in SCALE_FIELDS:
+        raise ValueError(f"integer_parts: {qtype.name} has no integer dot product here "
+                         f"(types: {', '.join(sorted(t.name for t in SCALE_FIELDS))})")
+    d_off, m_off, group = SCALE_FIELDS[qtype]
+    block, tsize = GGML_QUANT_SIZES[qtype]
+    x = jnp.asarray(data)
+    lead, n_blocks = x.shape[:-1], x.shape[-1] // tsize
+    b = x.reshape(*lead, n_blocks, tsize)
+    decode = _BLOCK_DECODERS[qtype]
+    flat = lambda v: v.reshape(*lead, n_blocks * v.shape[-1])  # noqa: E731
+    d = _f16(b, d_off)[..., 0]
+    if m_off is None:
+        return flat(decode(_with_fields(b, {d_off: _FP16_ONE}))), d, None, None
+    c = flat(decode(_with_fields(b, {d_off: _FP16_ONE, m_off: (0, 0)})))
+    mn = flat(decode(_with_fields(b, {d_off: (0, 0), m_off: _FP16_ONE})))[..., ::group]
+    return c, d, mn, _f16(b, m_off)[..., 0]
+
+
 # ---- numpy reference quantizers -----------------------------------------------------------------
 def _f16_up(x: np.ndarray) -> np.ndarray:
     """Round non-negative float32 up to the next fp16, so that a scale derived from it is never too

@@ -14,7 +14,7 @@ from pantheon.model.state import allocate_kv_cache
 
 @dataclass(frozen=True)
 class Family:
-    load_params: Callable  # (gguf, spec, dtype=, device=) -> params
+    load_params: Callable  # (gguf, spec, dtype=, device=, numerics=) -> params
     numerics_for: Callable  # (gguf, spec, mode) -> Numerics
     allocate_state: Callable  # (spec, n_slots, ctx, dtype=, sharding=) -> state
     forward: Callable  # (params, state, tokens, positions, slots, logit_index, *, spec, numerics, kv_len, ...)

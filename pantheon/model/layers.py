@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pantheon.model.numerics import NONE, Q8_0, quantize_activations
+from pantheon.model.numerics import NONE, Q8_0, IntBlocks, int_linear, quantize_activations
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
 from pantheon.native.qmatmul import QMatrix, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
@@ -48,11 +48,14 @@ def swiglu_down(gate, up, w_down, scheme: str = NONE) -> jax.Array:
     return linear(jax.nn.silu(gate) * up, w_down, scheme)
 
 
-def linear(x: jax.Array, w: jax.Array | QMatrix, scheme: str = NONE) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE) -> jax.Array:
     """y = x W with W stored [in, out] (or a QMatrix: quant blocks [out, in], read by the native
-    kernel); x is first rounded per `scheme` (see numerics.py). A bf16 W takes bf16 operands and
-    accumulates in f32 (model/dtypes.py); the result is f32 either way."""
+    kernel; or IntBlocks, llama.cpp's integer arithmetic in jnp); x is first rounded per `scheme`
+    (see numerics.py). A bf16 W takes bf16 operands and accumulates in f32 (model/dtypes.py); the
+    result is f32 either way."""
     if isinstance(w, QMatrix):  # the kernel rounds x itself (integer dot products)
         return qmatmul(x, w, int8_activations=scheme == Q8_0)
+    if isinstance(w, IntBlocks):  # loaded for llamacpp numerics: rounds x itself
+        return int_linear(x, w)
     x = quantize_activations(x, scheme)
     return jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)

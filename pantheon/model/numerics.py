@@ -11,10 +11,15 @@ activations: the mathematically exact product of the dequantized weights."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from gguf.constants import GGMLQuantizationType as Q
+from jax import lax
+
+from pantheon.gguf.quants import SCALE_FIELDS, integer_parts
 
 # ggml's vec_dot_type per weight type on the CPU backend.
 Q8_0, Q8_K, F16, BF16, NONE = "q8_0", "q8_k", "f16", "bf16", "none"
@@ -56,6 +61,18 @@ def quantize_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return q, fp16(d), fp16(d * jnp.sum(q, axis=-1, keepdims=True))
 
 
+def quantize_q8_k(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] as ggml rounds it to Q8_K blocks of 256 (quantize_row_q8_K_ref): (q [..., K/256, 256],
+    d [..., K/256, 1]), the scale from the signed extreme value (iscale = -127 / max, d = 1 / iscale,
+    both f32), q = x * iscale rounded to nearest even, capped at 127."""
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // 256, 256)
+    idx = jnp.argmax(jnp.abs(xb), axis=-1, keepdims=True)
+    vmax = jnp.take_along_axis(xb, idx, axis=-1)
+    iscale = jnp.where(vmax == 0, 0, -127 / jnp.where(vmax == 0, 1, vmax))
+    q = jnp.minimum(jnp.round(xb * iscale), 127)
+    return q, jnp.where(iscale == 0, 0, 1 / jnp.where(iscale == 0, 1, iscale))
+
+
 def quantize_activations(x: jax.Array, scheme: str) -> jax.Array:
     """Round x (last axis = the contraction) the way ggml does before a quantized dot product."""
     if scheme == NONE:
@@ -64,14 +81,69 @@ def quantize_activations(x: jax.Array, scheme: str) -> jax.Array:
         return x.astype(jnp.float16).astype(x.dtype)
     if scheme == BF16:
         return x.astype(jnp.bfloat16).astype(x.dtype)
-    if scheme == Q8_0:
-        q, d, _ = quantize_q8_0(x)
-        return (q * d).reshape(x.shape)
-    # Q8_K: blocks of 256, scale from the signed extreme value, f32 scale, round to nearest even
-    xb = x.reshape(*x.shape[:-1], x.shape[-1] // 256, 256)
-    idx = jnp.argmax(jnp.abs(xb), axis=-1, keepdims=True)
-    vmax = jnp.take_along_axis(xb, idx, axis=-1)
-    iscale = jnp.where(vmax == 0, 0, -127 / jnp.where(vmax == 0, 1, vmax))
-    q = jnp.minimum(jnp.round(xb * iscale), 127)
-    d = jnp.where(iscale == 0, 0, 1 / jnp.where(iscale == 0, 1, iscale))
+    q, d = quantize_q8_0(x)[:2] if scheme == Q8_0 else quantize_q8_k(x)
     return (q * d).reshape(x.shape)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=("c", "d", "mn", "dmin"), meta_fields=("group",))
+@dataclass(frozen=True)
+class IntBlocks:
+    """A quantized weight [..., in, out] split as ggml's integer dot products use it (`quants.
+    integer_parts`, transposed): per block of `block` inputs w = d * c + dmin * mn. c: f32 [..., in,
+    out] integer codes times integer sub-block scales; d: f32 [..., in/block, out]; mn: f32 [...,
+    in/group, out] integer mins, dmin [..., in/block, out] (both None without a min). Loaded for
+    `llamacpp` numerics, where `int_linear` reproduces llama.cpp's CPU arithmetic."""
+
+    c: jax.Array
+    d: jax.Array
+    mn: jax.Array | None = None
+    dmin: jax.Array | None = None
+    group: int = 0
+
+    @property
+    def block(self) -> int:
+        return self.c.shape[-2] // self.d.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.c.shape)
+
+    def __getitem__(self, index) -> "IntBlocks":
+        """One expert of a stacked [X, in, out] weight (works with a traced index)."""
+        return jax.tree_util.tree_map(lambda a: a[index], self)
+
+    @classmethod
+    def from_gguf(cls, data, ggml_type, n_in: int) -> "IntBlocks":
+        """Raw GGUF blocks [..., out, row bytes] of a matrix with n_in inputs -> IntBlocks [..., in, out]
+        (host numpy)."""
+        parts = integer_parts(np.asarray(data), ggml_type)
+        c, d, mn, dmin = (None if a is None else np.ascontiguousarray(np.swapaxes(np.asarray(a), -1, -2))
+                          for a in parts)
+        if c.shape[-2] != n_in:
+            raise ValueError(f"IntBlocks: {c.shape[-2]} inputs decoded, expected {n_in}")
+        return cls(c, d, mn, dmin, SCALE_FIELDS[ggml_type][2])
+
+
+def int_linear(x: jax.Array, w: IntBlocks) -> jax.Array:
+    """y = x W as llama.cpp's CPU computes it: x rounded per row to Q8_K (256-blocks) or Q8_0
+    (32-blocks), each block's dot product an exact integer sum (integers in f32: exact below 2**24,
+    and ~6e-8 relative past it, as ggml's own f32 lanes), then scaled by d_x * d_w and summed over
+    blocks; a min term adds (d_x * dmin) * sum(mins * block sums of q), or for Q4_1/Q5_1 (Q8_1)
+    m * fp16(d_x * sum(q)). f32 [..., out]."""
+    k, n_out = w.c.shape[-2:]
+    nb, block = w.d.shape[-2], w.block
+    if block == 256:
+        q, dx = quantize_q8_k(x.astype(jnp.float32))
+    else:
+        q, dx, s = quantize_q8_0(x.astype(jnp.float32))
+    hp = lax.Precision.HIGHEST
+    isum = jnp.einsum("...bk,bko->...bo", q, w.c.reshape(nb, block, n_out), precision=hp)
+    y = (dx * w.d) * isum  # [..., nb, out]: (d_x * d_w) first, as ggml
+    if w.mn is not None:
+        if w.group == block:  # Q8_1: the activation block sum, stored fp16
+            y = y + w.dmin * s
+        else:
+            sums = jnp.sum(q.reshape(*q.shape[:-2], nb, block // w.group, w.group), axis=-1)  # exact
+            msum = jnp.einsum("...bj,bjo->...bo", sums, w.mn.reshape(nb, block // w.group, n_out), precision=hp)
+            y = y + (dx * w.dmin) * msum
+    return jnp.sum(y, axis=-2)

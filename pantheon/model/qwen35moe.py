@@ -40,7 +40,8 @@ from jax import lax
 from pantheon.gguf.reader import GGUFFile
 from pantheon.model import kernels as kern
 from pantheon.model.layers import linear, rms_norm, rope, swiglu
-from pantheon.model.numerics import Numerics, quantize_activations, scheme_for
+from pantheon.gguf.quants import SCALE_FIELDS
+from pantheon.model.numerics import IntBlocks, Numerics, int_linear, quantize_activations, scheme_for
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
 from pantheon.model.state import HybridState, allocate_hybrid_state
 from pantheon.model.weights import load_tensor
@@ -90,7 +91,10 @@ def experts_stay_q3k(expert_types) -> bool:
     return bool(types) and all(t == GGMLQuantizationType.Q3_K for t in types)
 
 
-def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False) -> dict[str, np.ndarray | Q3KPlanes]:
+def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False,
+                   int_blocks: bool = False) -> dict[str, np.ndarray | Q3KPlanes | IntBlocks]:
+    """Layer i's tensors: Q3_K experts as planes with `q3k`; with `int_blocks` (llamacpp numerics)
+    every other quantized matrix as IntBlocks, the rest dequantized float32."""
     out = {}
     for key, name in _layer_names(g, spec, i).items():
         if q3k and key in _EXPERTS:  # raw [X, out, row bytes] blocks -> planes, never dequantized
@@ -99,6 +103,14 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False) -> 
                     out[_GATE_UP_PLANES] = q3k_planes_from_blocks(g.tensor_data(name))
             else:
                 out[key] = q3k_planes_from_blocks(g.tensor_data(name))
+            continue
+        info = g.tensor_info(name)
+        if int_blocks and key not in _KEEP_F32 and len(info.shape) >= 2 and info.ggml_type in SCALE_FIELDS:
+            a = IntBlocks.from_gguf(g.tensor_data(name), info.ggml_type, int(info.shape[-1]))
+            if name.endswith(_FUSED_GATE_UP):  # outputs: gate, then up
+                f = a.c.shape[-1] // 2
+                a = jax.tree_util.tree_map(lambda v: v[..., f:] if key == "exp_up" else v[..., :f], a)
+            out[key] = a
             continue
         a = load_tensor(g, name)
         if name.endswith(_FUSED_GATE_UP):
@@ -115,23 +127,30 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False) -> 
 _KEEP_F32 = frozenset({"router", "sh_gate_inp", "conv"})
 
 
-def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None) -> dict:
+def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None, numerics: Numerics | None = None) -> dict:
     """The params pytree for `forward`: every matrix dequantized to `dtype` (1-D tensors and
-    _KEEP_F32 stay f32), except Q3_K experts (`q3k_experts`), kept as Q3KPlanes. `device` may be a
-    Device or a Sharding."""
+    _KEEP_F32 stay f32), except Q3_K experts (`q3k_experts`), kept as Q3KPlanes, and, for `llamacpp`
+    numerics, every other quantized matrix kept as IntBlocks (llama.cpp's integer arithmetic).
+    `device` may be a Device or a Sharding."""
     q3k = q3k_experts(g, spec)
+    int_blocks = numerics is not None and numerics.mode == "llamacpp"
 
     def put(a, key=""):
-        if isinstance(a, Q3KPlanes):
+        if isinstance(a, (Q3KPlanes, IntBlocks)):
             return jax.device_put(a, device)
         keep = a.ndim < 2 or key in _KEEP_F32
         return jax.device_put(np.ascontiguousarray(a if keep else a.astype(dtype)), device)
 
-    layers = [{k: put(a, k) for k, a in _layer_tensors(g, spec, i, q3k).items()} for i in range(spec.n_layer)]
+    layers = [{k: put(a, k) for k, a in _layer_tensors(g, spec, i, q3k, int_blocks).items()}
+              for i in range(spec.n_layer)]
     params = {"embed": put(load_tensor(g, "token_embd.weight")),
               "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
-    if not spec.tied_embeddings:
-        params["output"] = put(load_tensor(g, "output.weight"))
+    head = "token_embd.weight" if spec.tied_embeddings else "output.weight"
+    info = g.tensor_info(head)
+    if int_blocks and info.ggml_type in SCALE_FIELDS:  # the head's product in integer arithmetic
+        params["output"] = put(IntBlocks.from_gguf(g.tensor_data(head), info.ggml_type, int(info.shape[1])))
+    elif not spec.tied_embeddings:
+        params["output"] = put(load_tensor(g, head))
     return params
 
 
@@ -327,10 +346,14 @@ def ssm_block(w, conv_state, ssm_state, x, positions, slots, logit_index, *, spe
 @partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
 @_f32_dots
 def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Numerics, all_logits: bool):
-    """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits)."""
+    """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits). table: the
+    head [V, E] (maybe the embedding), or IntBlocks [E, V]."""
     if not all_logits:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
-    x = quantize_activations(rms_norm(x, output_norm, spec.rms_eps), numerics.scheme("head"))
+    x = rms_norm(x, output_norm, spec.rms_eps)
+    if isinstance(table, IntBlocks):  # [E, V], llamacpp numerics
+        return int_linear(x, table)
+    x = quantize_activations(x, numerics.scheme("head"))
     # table [V, E]: maybe the embedding; bf16 operands accumulate in f32 (model/dtypes.py)
     return jnp.einsum("...i,vi->...v", x.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
@@ -384,7 +407,7 @@ def forward(params, state: HybridState, tokens, positions, slots, logit_index, *
                                      dict(spec=spec, numerics=numerics, kernels=kernels["attn_block"],
                                           kv_len=kern.program_kv_len(kernels["attn_block"], kv_len, state.ctx)))
             ia += 1
-    table = params["embed"] if spec.tied_embeddings else params["output"]
+    table = params.get("output", params["embed"])
     logits = call("head", head, (table, params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits))
     return logits, HybridState(ks, vs, convs, ssms, ctx=state.ctx)

@@ -89,15 +89,17 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int) -> dict[str, np.ndarray
     return t
 
 
-def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None) -> dict:
+def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, numerics: Numerics | None = None) -> dict:
     """The params pytree for `pantheon.model.llama.forward`. `device`: None (the default device),
     a Device, or a Mesh — then layer matrices are split over its dies (see sharding.py). Arrays go
-    to the device straight from host numpy (resharding a device array costs a compile)."""
+    to the device straight from host numpy (resharding a device array costs a compile). `numerics`
+    is the Family interface's (qwen35moe loads IntBlocks for it); the dense family's products need
+    no other weights for it (native kernel, or rounded f32: see model/numerics.py)."""
     layers = [{k: (a.T if a.ndim == 2 else a) for k, a in _layer_tensors(g, spec, i).items()}
               for i in range(spec.n_layer)]
     if not isinstance(device, Mesh):  # a mesh splits q/k/v and gate/up by heads and columns: kept apart
-        numerics = numerics_for(g, spec)
-        layers = [fuse_projections(w, numerics) for w in layers]
+        fusing = numerics_for(g, spec)  # by the file's types, whatever the numerics mode
+        layers = [fuse_projections(w, fusing) for w in layers]
     # The head is stored [E, V] (x @ W streams ~20% faster than against [V, E] on XLA:CPU); a tied
     # embedding is that same array, looked up by column (llama.embed), so it is held once.
     table = load_tensor(g, "token_embd.weight")

@@ -37,8 +37,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pantheon.gguf.quants import dequantize
-from pantheon.model.numerics import NONE, quantize_activations
+from pantheon.gguf.quants import dequantize, integer_parts
+from pantheon.model.numerics import NONE, Q8_K, quantize_activations, quantize_q8_k
 from pantheon.pallas.dispatch import triton_params
 
 QK = 256  # weights per Q3_K super-block
@@ -146,12 +146,17 @@ def dequantize_planes(planes: Q3KPlanes) -> jax.Array:
 
 
 # ---- the kernel -------------------------------------------------------------------------------------
-def _gmm_kernel(tile_ref, x_ref, qs_ref, hm_ref, sc_ref, d_ref, o_ref, *, n_blocks: int, n_experts: int):
-    """One (row tile, column tile): tile_ref [1] int32 expert (-1: unused); x_ref [bm, K];
-    qs/hm/sc/d refs [E, bn, ...] (every expert's rows of this column tile); o_ref [bm, bn].
+def _gmm_kernel(tile_ref, x_ref, *refs, n_blocks: int, n_experts: int, int_dot: bool):
+    """One (row tile, column tile): tile_ref [1] int32 expert (-1: unused); x_ref [bm, K]; with
+    int_dot an xs_ref [bm, nb] of per-block activation scales follows; qs/hm/sc/d refs [E, bn, ...]
+    (every expert's rows of this column tile); o_ref [bm, bn].
 
     Per super-block the [bn, 256] weights are decoded with broadcasts and reshapes in the natural
-    weight order n = 128*half + 32*j + l (Q3_K.md), then one [bm, 256] x [256, bn] dot."""
+    weight order n = 128*half + 32*j + l (Q3_K.md), then one [bm, 256] x [256, bn] dot. int_dot
+    (Q8_K activations, llama.cpp's arithmetic): x holds integer codes, the dot runs against the
+    integer weights (S - 32) * q, exact in f32 accumulation (|sum| <= 256*127*128 < 2**24), and
+    is then scaled by d_x * d_w, as ggml_vec_dot_q3_K_q8_K does."""
+    xs_ref, (qs_ref, hm_ref, sc_ref, d_ref, o_ref) = (refs[0], refs[1:]) if int_dot else (None, refs)
     expert = tile_ref[0]
     e = jnp.clip(expert, 0, n_experts - 1)
     trips = jnp.where(expert >= 0, n_blocks, 0)
@@ -173,11 +178,15 @@ def _gmm_kernel(tile_ref, x_ref, qs_ref, hm_ref, sc_ref, d_ref, o_ref, *, n_bloc
         hi = sc_ref[e, :, pl.ds(kb * 16 + 8, 4)].astype(jnp.int32).reshape(bn, 1, 4)
         scale = (((lo >> lo_shift) & 15).reshape(bn, 16) | (((hi >> hi_shift) & 3).reshape(bn, 16) << 4)) - 32
         d = d_ref[e, :, pl.ds(kb, 1)].astype(jnp.float32)  # [bn, 1]
-        dl = d * scale.astype(jnp.float32)  # ggml order: d * (S - 32) first, then * q; exact in f32
+        # ggml order: d * (S - 32) first, then * q (exact in f32); int_dot keeps d for after the sum
+        dl = scale.astype(jnp.float32) if int_dot else d * scale.astype(jnp.float32)
         w = (dl.reshape(bn, 16, 1) * q.reshape(bn, 16, 16).astype(jnp.float32)).reshape(bn, QK)
         xb = x_ref[:, pl.ds(kb * QK, QK)]
-        return acc + lax.dot_general(xb, w.astype(cdt), (((1,), (1,)), ((), ())), precision=prec,
-                                     preferred_element_type=jnp.float32)
+        dot = lax.dot_general(xb, w.astype(cdt), (((1,), (1,)), ((), ())), precision=prec,
+                              preferred_element_type=jnp.float32)
+        if int_dot:
+            dot = (xs_ref[:, pl.ds(kb, 1)] * d.reshape(1, bn)) * dot
+        return acc + dot
 
     acc = lax.fori_loop(0, trips, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -193,8 +202,9 @@ def _pick_block_n(n: int, block_n: int) -> int:
 
 
 def _gmm_padded(x_pad, tile_expert, planes: Q3KPlanes, *, block_n: int, interpret: bool, out_dtype,
-                num_warps: int, num_stages: int):
-    """x_pad [n_tiles * bm, K] (tile i all expert tile_expert[i]) -> [n_tiles * bm, N]."""
+                num_warps: int, num_stages: int, x_scale=None):
+    """x_pad [n_tiles * bm, K] (tile i all expert tile_expert[i]) -> [n_tiles * bm, N]. x_scale:
+    None, or f32 [n_tiles * bm, nb] Q8_K block scales of integer-coded x_pad (see _gmm_kernel)."""
     e, n, k = planes.shape
     if planes.qs.size >= 2 ** 31 or x_pad.size >= 2 ** 31:  # Triton's int32 element offsets
         raise ValueError(f"grouped_matmul_q3k: weights {planes.shape} or rows {x_pad.shape} exceed 2**31 elements")
@@ -202,20 +212,22 @@ def _gmm_padded(x_pad, tile_expert, planes: Q3KPlanes, *, block_n: int, interpre
     bm = x_pad.shape[0] // n_tiles
     bn = _pick_block_n(n, block_n)
     nb = planes.n_blocks
-    kernel = partial(_gmm_kernel, n_blocks=nb, n_experts=e)
+    int_dot = x_scale is not None
+    kernel = partial(_gmm_kernel, n_blocks=nb, n_experts=e, int_dot=int_dot)
     plane_spec = lambda width: pl.BlockSpec((e, bn, width), lambda i, j: (0, j, 0))  # noqa: E731
+    rows_spec = lambda width: pl.BlockSpec((bm, width), lambda i, j: (i, 0))  # noqa: E731
+    x_specs, x_args = ([rows_spec(k), rows_spec(nb)], (x_pad, x_scale)) if int_dot else ([rows_spec(k)], (x_pad,))
     return pl.pallas_call(
         kernel,
         grid=(n_tiles, n // bn),
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)),
-                  pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)), *x_specs,
                   plane_spec(nb * 64), plane_spec(nb * 32), plane_spec(nb * 16), plane_spec(nb)],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((x_pad.shape[0], n), out_dtype),
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
         interpret=interpret,
         name="pantheon_grouped_matmul_q3k",
-    )(tile_expert, x_pad, planes.qs, planes.hm, planes.sc, planes.d)
+    )(tile_expert, *x_args, planes.qs, planes.hm, planes.sc, planes.d)
 
 
 def _row_layout(group_sizes, m: int, bm: int):
@@ -246,7 +258,7 @@ def default_block_m(m: int, n_experts: int) -> int:
     return int(min(64, max(16, 1 << (per - 1).bit_length())))
 
 
-def _check_gmm_args(x, group_sizes, planes, what):
+def _check_gmm_args(x, group_sizes, planes, what, x_scale=None):
     if not isinstance(planes, Q3KPlanes):
         raise ValueError(f"{what}: weights must be Q3KPlanes, got {type(planes).__name__}")
     planes.validate(what)
@@ -255,13 +267,16 @@ def _check_gmm_args(x, group_sizes, planes, what):
         raise ValueError(f"{what}: x must be [M, {k}] for weights {planes.shape} (E, N, K), got {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{what}: x must be floating point, got {x.dtype}")
+    if x_scale is not None and tuple(x_scale.shape) != (x.shape[0], planes.n_blocks):
+        raise ValueError(f"{what}: x_scale must be [{x.shape[0]}, {planes.n_blocks}] (rows, super-blocks), "
+                         f"got {tuple(x_scale.shape)}")
     if tuple(group_sizes.shape) != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"{what}: group_sizes must be integer [{e}], got {group_sizes.dtype}{tuple(group_sizes.shape)}")
 
 
 @partial(jax.jit, static_argnames=("block_m", "block_n", "interpret", "num_warps", "num_stages"))
-def grouped_matmul_q3k(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes, *, block_m: int | None = None,
-                       block_n: int = 64, interpret: bool = False, num_warps: int = 4,
+def grouped_matmul_q3k(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes, x_scale: jax.Array | None = None, *,
+                       block_m: int | None = None, block_n: int = 64, interpret: bool = False, num_warps: int = 4,
                        num_stages: int = 2) -> jax.Array:
     """Grouped matmul against Q3_K expert weights, decoded inside a Pallas kernel.
 
@@ -269,9 +284,11 @@ def grouped_matmul_q3k(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes, 
     group_sizes[e] rows; planes: the weights W [E, N, K]. Returns [M, N] in x's dtype with
     out[rows of e] = x[rows of e] @ W_e^T (float32 accumulation; float32 x uses exact float32
     dots, 16-bit x multiplies weights rounded to x's dtype). Rows past sum(group_sizes) are 0.
+    x_scale: None, or f32 [M, nb]: x holds Q8_K integer codes and x_scale their block scales
+    (`q8k_rows`); the product is then llama.cpp's (exact integer block sums times d_x * d_w).
     block_m: row tile (power of 2 >= 16; default from M/E); block_n: column tile (power of 2,
     >= 16, reduced until it divides N)."""
-    _check_gmm_args(x, group_sizes, planes, "grouped_matmul_q3k")
+    _check_gmm_args(x, group_sizes, planes, "grouped_matmul_q3k", x_scale)
     m = x.shape[0]
     bm = default_block_m(m, planes.n_experts) if block_m is None else block_m
     if not (bm >= 16 and bm & (bm - 1) == 0):
@@ -279,21 +296,35 @@ def grouped_matmul_q3k(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes, 
     if m == 0:
         return jnp.zeros((0, planes.n_out), x.dtype)
     dest, tile_expert, n_tiles = _row_layout(group_sizes, m, bm)
-    x_pad = jnp.zeros((n_tiles * bm, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
-    y = _gmm_padded(x_pad, tile_expert, planes, block_n=block_n, interpret=interpret, out_dtype=x.dtype,
-                    num_warps=num_warps, num_stages=num_stages)
+    pad = lambda a: jnp.zeros((n_tiles * bm, a.shape[1]), a.dtype).at[dest].set(a, mode="drop")  # noqa: E731
+    y = _gmm_padded(pad(x), tile_expert, planes, block_n=block_n, interpret=interpret, out_dtype=x.dtype,
+                    num_warps=num_warps, num_stages=num_stages, x_scale=None if x_scale is None else pad(x_scale))
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
 
 
 @jax.jit
-def grouped_matmul_q3k_reference(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes) -> jax.Array:
+def grouped_matmul_q3k_reference(x: jax.Array, group_sizes: jax.Array, planes: Q3KPlanes,
+                                 x_scale: jax.Array | None = None) -> jax.Array:
     """`grouped_matmul_q3k` in plain jnp: dequantize every expert (quants.dequantize, float32
-    [E, N, K] — large for many experts) and `jax.lax.ragged_dot`. Returns [M, N] in x's dtype."""
-    _check_gmm_args(x, group_sizes, planes, "grouped_matmul_q3k_reference")
-    w = dequantize_planes(planes)  # [E, N, K]
-    y = lax.ragged_dot(x.astype(jnp.float32), jnp.swapaxes(w, 1, 2), group_sizes.astype(jnp.int32),
-                       precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    [E, N, K] — large for many experts) and `jax.lax.ragged_dot`; with x_scale, per super-block
+    integer sums against the integer weights (quants.integer_parts), scaled by d_x * d_w and added
+    block after block like the kernel. Returns [M, N] in x's dtype."""
+    _check_gmm_args(x, group_sizes, planes, "grouped_matmul_q3k_reference", x_scale)
+    sizes = group_sizes.astype(jnp.int32)
+    dot = partial(lax.ragged_dot, group_sizes=sizes, precision=lax.Precision.HIGHEST,
+                  preferred_element_type=jnp.float32)
+    if x_scale is None:
+        return dot(x.astype(jnp.float32), jnp.swapaxes(dequantize_planes(planes), 1, 2)).astype(x.dtype)
+    c, d, _, _ = integer_parts(q3k_planes_to_blocks(planes), GGMLQuantizationType.Q3_K)  # [E, N, K], [E, N, nb]
+    m = x.shape[0]
+    ends = jnp.cumsum(sizes)
+    row_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(m), side="right"), planes.n_experts - 1)
+    y = jnp.zeros((m, planes.n_out), jnp.float32)
+    for b in range(planes.n_blocks):
+        cols = slice(b * QK, (b + 1) * QK)
+        isum = dot(x[:, cols].astype(jnp.float32), jnp.swapaxes(c[:, :, cols], 1, 2))
+        y = y + (x_scale[:, b:b + 1] * d[row_expert, :, b]) * isum
+    return jnp.where((jnp.arange(m) < ends[-1])[:, None], y, 0).astype(x.dtype)
 
 
 # ---- the MoE FFN ------------------------------------------------------------------------------------
@@ -342,6 +373,16 @@ def _check_moe_args(x, router_logits, top_k, gate, up, down, what):
     return t, dm, e, f
 
 
+def q8k_rows(x: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array | None]:
+    """x [M, K] rounded for a Q3_K product: Q8_K gives (integer codes in x's dtype, f32 block scales
+    [M, K/256]) for the integer dot (`grouped_matmul_q3k`'s x_scale); any other scheme (x rounded
+    per numerics.quantize_activations, None)."""
+    if scheme != Q8_K:
+        return quantize_activations(x, scheme), None
+    q, d = quantize_q8_k(x.astype(jnp.float32))
+    return q.reshape(x.shape).astype(x.dtype), d[..., 0]
+
+
 @partial(jax.jit, static_argnames=("top_k", "impl", "schemes", "block_m", "block_n"))
 def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes, up: Q3KPlanes | None,
             down: Q3KPlanes, *, impl: str = "reference", schemes: tuple[str, str, str] | None = None,
@@ -354,7 +395,8 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
     sum over the top_k experts of w_e * down_e(silu(gate_e x) * up_e x).
     schemes: activation rounding before the gate, up and down matmuls (pantheon.model.numerics,
     e.g. ("q8_k",) * 3 to follow llama.cpp's CPU arithmetic; default none). Rounding is per row,
-    so it is applied before rows are gathered; padded rows stay zero.
+    so it is applied before rows are gathered; padded rows stay zero. Q8_K rows enter the matmuls
+    as integer codes with their block scales (llama.cpp's integer dot products, `q8k_rows`).
 
     The T*k (token, expert) pairs are sorted by expert; impl "pallas"/"interpret" scatters them into
     the kernel's padded row layout once and runs the three grouped Q3_K matmuls on it, "reference"
@@ -372,40 +414,44 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
     m = t * top_k
     cdt = x.dtype
     s_gate, s_up, s_down = _schemes(schemes)
-    xg = quantize_activations(x, s_gate)
-    xu = xg if up is None or s_up == s_gate else quantize_activations(x, s_up)
+    xg = q8k_rows(x, s_gate)
+    xu = xg if up is None or s_up == s_gate else q8k_rows(x, s_up)
 
     def swiglu_rows(g, u):
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cdt)
-        return quantize_activations(h, s_down)
+        return q8k_rows((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cdt), s_down)
 
     if impl == "reference":
+        (xg_rows, xg_scale), (xu_rows, xu_scale) = ((a[tok], None if sa is None else sa[tok]) for a, sa in (xg, xu))
         if up is None:
-            gu = grouped_matmul_q3k_reference(xg[tok], sizes, gate)
+            gu = grouped_matmul_q3k_reference(xg_rows, sizes, gate, xg_scale)
             g, u = gu[:, :f], gu[:, f:]
         else:
-            g = grouped_matmul_q3k_reference(xg[tok], sizes, gate)
-            u = grouped_matmul_q3k_reference(xu[tok], sizes, up)
-        y = grouped_matmul_q3k_reference(swiglu_rows(g, u), sizes, down)
+            g = grouped_matmul_q3k_reference(xg_rows, sizes, gate, xg_scale)
+            u = grouped_matmul_q3k_reference(xu_rows, sizes, up, xu_scale)
+        h, h_scale = swiglu_rows(g, u)
+        y = grouped_matmul_q3k_reference(h, sizes, down, h_scale)
     else:
         interpret = impl == "interpret"
         bm = default_block_m(m, e) if block_m is None else block_m
         dest, tile_expert, n_tiles = _row_layout(sizes, m, bm)
         rows = n_tiles * bm
 
-        def padded(a):  # sorted pairs' rows of a, in the kernel's padded layout (padding rows 0)
-            return jnp.zeros((rows, dm), cdt).at[dest].set(a[tok], mode="drop")
+        def padded(a):  # sorted pairs' rows of (x, scale), in the kernel's padded layout (padding rows 0)
+            pad = lambda v: jnp.zeros((rows, v.shape[1]), v.dtype).at[dest].set(v[tok], mode="drop")  # noqa: E731
+            return pad(a[0]), None if a[1] is None else pad(a[1])
 
         mm = partial(_gmm_padded, tile_expert=tile_expert, block_n=block_n, interpret=interpret,
                      out_dtype=cdt, num_warps=4, num_stages=2)
         xg_pad = padded(xg)
         if up is None:
-            gu = mm(xg_pad, planes=gate)
+            gu = mm(xg_pad[0], planes=gate, x_scale=xg_pad[1])
             g, u = gu[:, :f], gu[:, f:]
         else:
-            g = mm(xg_pad, planes=gate)
-            u = mm(xg_pad if xu is xg else padded(xu), planes=up)
-        y = jnp.take(mm(swiglu_rows(g, u), planes=down), dest, axis=0, mode="fill", fill_value=0)
+            g = mm(xg_pad[0], planes=gate, x_scale=xg_pad[1])
+            xu_pad = xg_pad if xu is xg else padded(xu)
+            u = mm(xu_pad[0], planes=up, x_scale=xu_pad[1])
+        h, h_scale = swiglu_rows(g, u)
+        y = jnp.take(mm(h, planes=down, x_scale=h_scale), dest, axis=0, mode="fill", fill_value=0)
     out = jnp.zeros((t, dm), jnp.float32).at[tok].add(y.astype(jnp.float32) * wsorted[:, None])
     return out.astype(x.dtype)
 
@@ -414,24 +460,35 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
 def moe_ffn_reference(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
                       up: Q3KPlanes | None, down: Q3KPlanes, schemes: tuple[str, str, str] | None = None) -> jax.Array:
     """Dense, independent `moe_ffn` for tests: per token, argsort the softmax descending, take k,
-    renormalise, gather the k dequantised expert matrices and apply SwiGLU with einsums (float32).
+    renormalise, gather the k dequantised (or, for Q8_K activations, integer) expert matrices and
+    apply SwiGLU with einsums (float32).
     Memory is T*k full expert matrices: test sizes only."""
     t, dm, e, f = _check_moe_args(x, router_logits, top_k, gate, up, down, "moe_ffn_reference")
     p = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     idx = jnp.argsort(-p, axis=-1, stable=True)[:, :top_k]  # [T, k]
     w = jnp.take_along_axis(p, idx, axis=-1)
     w = w / jnp.maximum(w.sum(-1, keepdims=True), ROUTER_SUM_MIN)
-    wg = dequantize_planes(gate)
-    if up is None:
-        wg, wu = wg[:, :f], wg[:, f:]
-    else:
-        wu = dequantize_planes(up)
-    wd = dequantize_planes(down)
     s_gate, s_up, s_down = _schemes(schemes)
-    xf = x.astype(jnp.float32)
+    halves = (slice(0, f), slice(f, 2 * f)) if up is None else (slice(None), slice(None))
+    xk = jnp.broadcast_to(x.astype(jnp.float32)[:, None], (t, top_k, dm))
+    g = _dense_expert_product(xk, gate, idx, halves[0], s_gate)
+    u = _dense_expert_product(xk, gate if up is None else up, idx, halves[1], s_up)
+    y = _dense_expert_product(jax.nn.silu(g) * u, down, idx, slice(None), s_down)
+    return jnp.einsum("tk,tkd->td", w, y, precision=lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def _dense_expert_product(xk, planes: Q3KPlanes, idx, rows: slice, scheme: str):
+    """xk [T, k, K] through the chosen experts' weights (output rows `rows`): [T, k, N], the rounded
+    product (float32), or for Q8_K the integer block sums times d_x * d_w, block after block."""
     hp = lax.Precision.HIGHEST
-    g = jnp.einsum("td,tkfd->tkf", quantize_activations(xf, s_gate), wg[idx], precision=hp)
-    u = jnp.einsum("td,tkfd->tkf", quantize_activations(xf, s_up), wu[idx], precision=hp)
-    h = quantize_activations(jax.nn.silu(g) * u, s_down)
-    y = jnp.einsum("tkf,tkdf->tkd", h, wd[idx], precision=hp)
-    return jnp.einsum("tk,tkd->td", w, y, precision=hp).astype(x.dtype)
+    if scheme != Q8_K:
+        w = dequantize_planes(planes)[:, rows][idx]  # [T, k, N, K]
+        return jnp.einsum("tkd,tknd->tkn", quantize_activations(xk, scheme), w, precision=hp)
+    c, d, _, _ = integer_parts(q3k_planes_to_blocks(planes), GGMLQuantizationType.Q3_K)
+    c, d = c[:, rows][idx], d[:, rows][idx]  # [T, k, N, K], [T, k, N, nb]
+    q, dx = quantize_q8_k(xk)  # [T, k, nb, 256], [T, k, nb, 1]
+    y = jnp.zeros(c.shape[:3], jnp.float32)
+    for b in range(planes.n_blocks):
+        isum = jnp.einsum("tkj,tknj->tkn", q[:, :, b], c[..., b * QK:(b + 1) * QK], precision=hp)
+        y = y + (dx[:, :, b] * d[..., b]) * isum
+    return y

@@ -12,7 +12,8 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from pantheon.gguf.quants import QUANTIZE_TYPES, SUPPORTED_TYPES, dequantize, dequantize_np, quantize_np
+from pantheon.gguf.quants import (QUANTIZE_TYPES, SCALE_FIELDS, SUPPORTED_TYPES, dequantize, dequantize_np,
+                                  integer_parts, quantize_np)
 
 # Byte offsets of each block's fp16 fields (d, and m/dmin where present).
 F16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
@@ -168,3 +169,42 @@ def test_malformed_input_raises_value_error():
         quantize_np(np.zeros((2, 128), np.float32), T.Q6_K)  # row shorter than a super-block
     with pytest.raises(ValueError, match="non-finite"):
         quantize_np(np.full((1, 32), np.nan, np.float32), T.Q8_0)
+
+
+def _rebuild(raw, qtype):
+    """d * c + dmin * mn from integer_parts, per weight; and c."""
+    c, d, mn, dmin = (None if a is None else np.asarray(a) for a in integer_parts(raw, qtype))
+    block = GGML_QUANT_SIZES[qtype][0]
+    w = np.repeat(d, block, -1) * c
+    if mn is not None:
+        w = w + np.repeat(dmin, block, -1) * np.repeat(mn, c.shape[-1] // mn.shape[-1], -1)
+    return w, c, mn
+
+
+@pytest.mark.parametrize("qtype", sorted(SCALE_FIELDS, key=int), ids=lambda t: t.name)
+def test_integer_parts_hold_integers_and_rebuild_the_weights(qtype, rng):
+    """The split llama.cpp's integer dot products use: w = d * c + dmin * mn per block, c and mn
+    integers (so their sums against integer activations are exact in f32 below 2**24)."""
+    raw = quantize_np((rng.standard_normal((3, 512)) * rng.uniform(0.01, 3)).astype(np.float32), qtype)
+    w, c, mn = _rebuild(raw, qtype)
+    assert np.array_equal(c, np.round(c)) and np.abs(c).max() < 2 ** 13
+    if mn is not None:
+        assert np.array_equal(mn, np.round(mn))
+    want = dequantize_np(raw, qtype)
+    np.testing.assert_allclose(w, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_integer_parts_of_ggml_quantized_samples(reference_dir):
+    """Blocks quantized by ggml itself (ref/quant_samples.npz) rebuild its own to_float output."""
+    samples = np.load(reference_dir / "qwen35moe" / "ref" / "quant_samples.npz")
+    names = [k[:-4] for k in samples if k.endswith("_raw") and T[k[:-4]] in SCALE_FIELDS]
+    assert {"Q3_K", "Q4_K", "Q6_K", "Q8_0"} <= set(names)
+    for name in names:
+        w, _, _ = _rebuild(samples[f"{name}_raw"], T[name])
+        want = samples[f"{name}_f32"].reshape(w.shape)
+        np.testing.assert_allclose(w, want, rtol=1e-6, atol=1e-6 * np.abs(want).max(), err_msg=name)
+
+
+def test_integer_parts_refuses_types_without_an_integer_dot():
+    with pytest.raises(ValueError, match="F32 has no integer dot product"):
+        integer_parts(np.zeros((1, 16), np.uint8), T.F32)

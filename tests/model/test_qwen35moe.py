@@ -27,7 +27,7 @@ import pytest
 from pantheon.gguf import open_gguf
 from pantheon.gguf.reader import GGUFError
 from pantheon.model import qwen35moe
-from pantheon.model.numerics import Numerics
+from pantheon.model.numerics import IntBlocks, Numerics
 from pantheon.model.spec import HybridSpec, spec_from_gguf
 from pantheon.pallas.moe_q3k import Q3KPlanes
 from tests.fixtures.tiny_qwen35moe import ARCH, Q3K_SHAPES, Q, write_tiny_qwen35moe
@@ -146,35 +146,80 @@ def test_q3k_experts_exactly_dequantized_match_llamacpp(ref):
         assert max_err(want, ref["logits"](f"f32_{name}")) > 1.0  # the experts really are 3-bit
 
 
-def test_q3k_experts_with_llamacpp_numerics_match_llamacpp_quantized_run(ref):
-    """The Q3_K-experts file through the grouped Q3_K path with `llamacpp` numerics (activations
-    rounded to Q8_K before each expert matmul, as ggml-cpu does) against llama.cpp's own quantized
-    run (`logits_q3k_experts_*`). Rounding is discontinuous: an f32 difference of 1e-6 that lands on
-    a rounding boundary moves a value by one quantum, so agreement is exact until such a flip and
-    bounded after it. Measured max |Δ| (logits rms ~4): s5 2e-5, s33 0.18 (from position 2), s70
-    0.036, s130 1.67 (from position 10); argmax agreement 100 / 100 / 100 / 97.7 %. llama.cpp's own
-    n_ubatch 16 vs 512 runs of this file differ by 0.074 (tests/data/qwen35moe/README.md)."""
-    g = open_gguf(ref["q3k_gguf"])
+def _llamacpp_run(path, ref):
+    """Every reference sequence of the file at `path` in one padded batch with `llamacpp` numerics
+    (load_params with them: IntBlocks for every quantized matrix but Q3_K experts, which stay planes).
+    Returns (logits per sequence name, the params)."""
+    g = open_gguf(path)
     spec = spec_from_gguf(g)
-    m = Model(spec, qwen35moe.load_params(g, spec))
     num = qwen35moe.numerics_for(g, spec, "llamacpp")
+    params = qwen35moe.load_params(g, spec, numerics=num)
     state = qwen35moe.allocate_state(spec, n_slots=SLOTS, ctx=CTX)
     rows = list(ref["seqs"].values())
     ids, pos = np.zeros((len(rows), PAD_T), np.int32), np.tile(np.arange(PAD_T, dtype=np.int32), (len(rows), 1))
     for b, toks in enumerate(rows):
         ids[b, :len(toks)] = toks
     last = np.array([len(t) - 1 for t in rows], np.int32)
-    logits, _ = qwen35moe.forward(m.params, state, ids, pos, np.arange(len(rows), dtype=np.int32), last, spec=spec,
+    logits, _ = qwen35moe.forward(params, state, ids, pos, np.arange(len(rows), dtype=np.int32), last, spec=spec,
                                   numerics=num, kv_len=KV, all_logits=True)
     logits = np.asarray(logits)
+    return {name: logits[i, :len(toks)] for i, (name, toks) in enumerate(ref["seqs"].items())}, params
+
+
+def _log_softmax(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_q3k_experts_with_llamacpp_numerics_match_llamacpp_quantized_run(ref):
+    """The Q3_K-experts file through the grouped Q3_K path with `llamacpp` numerics (activations
+    rounded to Q8_K, and each super-block's product an exact integer sum scaled by d_x * d_w, as
+    ggml-cpu computes it) against llama.cpp's own quantized run (`logits_q3k_experts_*`). Rounding
+    is discontinuous: an f32 difference of 1e-7 that lands on a rounding boundary moves a value by
+    one quantum, so agreement is exact until such a flip and bounded after it. Every other matrix of
+    this file is F32, whose f32 products llama.cpp sums in another order: that is where the flips
+    come from (the all-quantized Q3_K_M file below, with integer products everywhere, has none on
+    s5/s70). Measured max |Δ| (logits rms ~4): s5 3e-5, s33 0.14 (from position 2), s70 0.03-0.10
+    (from position 31), s130 1.67 (from position 10); argmax agreement 100 / 100 / 100 / 98 %.
+    llama.cpp's own n_ubatch 16 vs 512 runs of this file differ by 0.074
+    (tests/data/qwen35moe/README.md)."""
+    got, params = _llamacpp_run(ref["q3k_gguf"], ref)
+    assert all(isinstance(w["exp_down"], Q3KPlanes) for w in params["layers"])  # the grouped Q3_K path
     agree = []
-    for i, (name, toks) in enumerate(ref["seqs"].items()):
-        ours, want = logits[i, :len(toks)], ref["logits"](f"q3k_experts_{name}")
+    for name, ours in got.items():
+        want = ref["logits"](f"q3k_experts_{name}")
         if name == "s5":
             assert max_err(ours, want) <= TOL  # no rounding flip in 5 positions
         assert max_err(ours, want) <= 2.5, name
         agree.append((ours.argmax(-1) == want.argmax(-1)).mean())
     assert min(agree) >= 0.95, agree
+
+
+def test_q3_k_m_with_llamacpp_numerics_matches_llamacpp(ref, qwen35moe_q3_k_m_gguf):
+    """llama.cpp's stock Q3_K_M file (Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q4_0 matrices) with `llamacpp`
+    numerics: every quantized product in ggml's integer arithmetic (IntBlocks). s5 and s70 match
+    llama.cpp to the F32 file's tolerance (measured 5.7e-6 and 4.8e-6; the rounded-f32 products
+    used before were 0.46 off on s70, from position 10). On s33 llama.cpp disagrees with itself:
+    fed one token per call it differs from its one-call run by 0.096 in log-prob at 7 positions;
+    ours is 0.096 from the one-call run (8 positions over 0.05) and 0.073 from the one-token run.
+    s130 (not stored here) differs from position 5 on, by 2.7, exactly as the reference's
+    independent float64 emulation of llama.cpp's rounding does: llama.cpp's 130-row batch takes
+    other arithmetic (its n_ubatch 16 and 512 runs of this file differ by 0.27)."""
+    got, params = _llamacpp_run(qwen35moe_q3_k_m_gguf, ref)
+    assert isinstance(params["output"], IntBlocks) and isinstance(params["layers"][0]["exp_down"], IntBlocks)
+    for name in ("s5", "s70"):
+        assert max_err(got[name], ref["logits"](f"q3_k_m_{name}")) <= TOL, name
+    for run in ("q3_k_m_s33", "q3_k_m_s33_incremental"):
+        want = _log_softmax(ref["logits"](run))
+        ours = _log_softmax(got["s33"])
+        top10 = np.argsort(-want, -1)[:, :10]
+        dlp = np.abs(np.take_along_axis(ours, top10, -1) - np.take_along_axis(want, top10, -1)).max(-1)
+        assert dlp.max() <= 0.1, (run, dlp.max())  # llama.cpp's own spread between the two runs: 0.096
+        srt = np.sort(want, -1)
+        decided = srt[:, -1] - srt[:, -2] >= 0.1
+        assert (ours.argmax(-1) == want.argmax(-1))[decided].all(), run
+        assert min(len(set(np.argsort(-o)[:10]) & set(t)) for o, t in zip(ours, top10)) >= 9, run
 
 
 def test_greedy_continuations_from_a_padded_batch(f32, f32_prefill, ref):

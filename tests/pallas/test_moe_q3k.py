@@ -106,6 +106,33 @@ def test_grouped_matmul_matches_reference(rng, e, n, k, m, bm, bn, short):
     assert _rel(ref, want) <= F32_REL, f"seed {rng.seed}: reference vs float64 {_rel(ref, want)}"
 
 
+def test_grouped_matmul_integer_mode_is_ggml_q3k_q8k_arithmetic(rng):
+    """With x_scale the rows are Q8_K codes: each super-block's dot is an exact integer sum against
+    the integer weights (S - 32) * q, scaled by d_x * d_w (ggml_vec_dot_q3_K_q8_K). Kernel and
+    reference against an int64 numpy transcription."""
+    from pantheon.gguf.quants import integer_parts
+    from pantheon.pallas.moe_q3k import q8k_rows
+    e, n, k, m = 3, 32, 512, 40
+    raw, planes, _ = _q3k(rng, e, n, k)
+    sizes = _groups(rng, e, m)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 3
+    q, xs = q8k_rows(jnp.asarray(x), "q8_k")
+    out = np.asarray(grouped_matmul_q3k(q, jnp.asarray(sizes), planes, xs, block_m=16, block_n=16, interpret=True))
+    ref = np.asarray(grouped_matmul_q3k_reference(q, jnp.asarray(sizes), planes, xs))
+    c, d, _, _ = (np.asarray(a) if a is not None else None for a in integer_parts(raw, T.Q3_K))  # [E, N, K], [E, N, nb]
+    qi, dx = np.asarray(q).astype(np.int64), np.asarray(xs)
+    want, row = np.zeros((m, n)), 0
+    for ex, g in enumerate(sizes):
+        for r in range(row, row + g):
+            isum = np.einsum("bk,nbk->nb", qi[r].reshape(2, 256), c[ex].astype(np.int64).reshape(n, 2, 256))
+            want[r] = ((dx[r][None] * d[ex]).astype(np.float32) * isum.astype(np.float32)).astype(np.float64).sum(-1)
+        row += g
+    assert np.array_equal(np.asarray(q), np.round(np.asarray(q))) and np.abs(np.asarray(q)).max() <= 127
+    assert _rel(out, want) <= 1e-6 and _rel(ref, want) <= 1e-6, f"seed {rng.seed}: {_rel(out, want)} {_rel(ref, want)}"
+    with pytest.raises(ValueError, match="x_scale must be"):
+        grouped_matmul_q3k_reference(q, jnp.asarray(sizes), planes, xs[:, :1])
+
+
 def test_grouped_matmul_bf16_and_one_expert_takes_all(rng):
     e, n, k, m = 4, 32, 256, 24
     _, planes, w = _q3k(rng, e, n, k)
@@ -164,11 +191,11 @@ def _moe_weights(rng, e, dm, f, fused):
     return gate, up, _q3k(rng, e, dm, f, 0.05)[1]
 
 
-# (T, D, F, E, top_k, fused gate_up, activation schemes). Only the gate/up inputs are rounded in
-# tests: rounding the down input (computed in a different summation order by each implementation)
-# can flip a value across a Q8_K rounding step, which no tight tolerance survives.
-Q8K_IN = ("q8_k", "q8_k", "none")
-MOE_CASES = [(5, 256, 256, 8, 2, False, None), (7, 512, 256, 6, 3, True, Q8K_IN), (3, 256, 512, 4, 1, False, None)]
+# (T, D, F, E, top_k, fused gate_up, activation schemes). With Q8_K rounding the products are integer
+# sums scaled by d_x * d_w, the same numbers in every implementation, so even the down input (a
+# function of those products) rounds alike and all three can be rounded.
+Q8K = ("q8_k",) * 3
+MOE_CASES = [(5, 256, 256, 8, 2, False, None), (7, 512, 256, 6, 3, True, Q8K), (3, 256, 512, 4, 1, False, Q8K)]
 
 
 @pytest.mark.parametrize("t,dm,f,e,k,fused,schemes", MOE_CASES)
