@@ -24,7 +24,9 @@ pantheon.pallas.dispatch; each layer program's static `kernels` records the impl
 traced with. When every layer's expert tensors (gate, up, down, or the fused gate_up) are Q3_K, they
 stay Q3_K blocks on the device (`Q3KPlanes`, 114 bytes per 110 GGUF bytes) instead of being
 dequantized to float32; any other expert type keeps the float32 path (`_grouped_experts`). Both
-paths route with pantheon.pallas.moe_q3k.route (SPEC §5)."""
+paths route with pantheon.pallas.moe_q3k.route (SPEC §5). With `llamacpp` numerics every other
+quantized matrix loads as numerics.IntBlocks and multiplies in llama.cpp's integer arithmetic
+(the Q3_K kernel has its own integer mode)."""
 
 from __future__ import annotations
 
