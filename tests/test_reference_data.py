@@ -46,7 +46,7 @@ def test_ggml_quantizer_ports_round_trip_through_pantheons_dequantizer(qtype, bi
 
 def test_reference_data_lives_in_the_repository():
     data = REPO / "tests" / "data"
-    assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 2_000_000
+    assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 2_300_000  # 2.15 MB with the Q3_K_M logits
     assert not list(data.rglob("*.gguf"))
     for rel in ("smollm2/tokenization.json", "smollm2/greedy.json", "smollm2/meta.json",
                 "smollm2/logits_last_prompt_user_only_capital.npy", "smollm2/logits_last_prompt_sys_user_colors.npy",
