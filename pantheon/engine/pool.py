@@ -17,7 +17,7 @@ from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes
 from pantheon.gguf.reader import GGUFError, open_gguf
 from pantheon.model.dtypes import compute_dtype, itemsize
-from pantheon.model.qwen35moe import experts_stay_q3k
+from pantheon.model.qwen35moe import DOWN, GATE_UP, q3k_expert_roles
 from pantheon.native import build as native_build
 from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
 
@@ -66,16 +66,19 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
                    n_slots: int, itemsize: int = 4) -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
-    routed experts that are all Q3_K stay in blocks (qwen35moe.q3k_experts: Q3KPlanes), every
+    routed experts whose role stays Q3_K stay in blocks (qwen35moe.q3k_expert_roles: Q3KPlanes), every
     other matrix is dequantized to the compute dtype (`itemsize` bytes; the few kept f32 are
     counted at it too: the router and conv taps are <0.1 % of a model), 1-D tensors stay f32; an
     f32 dense model's decode also holds the quant blocks the native kernel reads
     (weights.decode_matrices); plus KV in the compute dtype for n_slots + the scratch slot (every
     layer counted, an upper bound for the hybrid's attention-only KV)."""
-    q3k = experts_stay_q3k(kind for name, (_, kind, _) in tensors.items() if "_exps." in name)
+    def role(name: str) -> str | None:
+        return None if "_exps." not in name else DOWN if "ffn_down_exps" in name else GATE_UP
+
+    q3k = q3k_expert_roles((role(name), kind) for name, (_, kind, _) in tensors.items() if role(name))
     weights = 0
     for name, (shape, kind, nbytes) in tensors.items():
-        if q3k and "_exps." in name:
+        if role(name) in q3k:
             weights += int(nbytes * Q3K_PLANE_BYTES)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)

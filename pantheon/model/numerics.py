@@ -124,26 +124,51 @@ class IntBlocks:
         return cls(c, d, mn, dmin, SCALE_FIELDS[ggml_type][2])
 
 
-def int_linear(x: jax.Array, w: IntBlocks) -> jax.Array:
+def int_linear(x: jax.Array, w: IntBlocks, group_sizes: jax.Array | None = None) -> jax.Array:
     """y = x W as llama.cpp's CPU computes it: x rounded per row to Q8_K (256-blocks) or Q8_0
     (32-blocks), each block's dot product an exact integer sum (integers in f32: exact below 2**24,
-    and ~6e-8 relative past it, as ggml's own f32 lanes), then scaled by d_x * d_w and summed over
-    blocks; a min term adds (d_x * dmin) * sum(mins * block sums of q), or for Q4_1/Q5_1 (Q8_1)
-    m * fp16(d_x * sum(q)). f32 [..., out]."""
-    k, n_out = w.c.shape[-2:]
-    nb, block = w.d.shape[-2], w.block
+    and ~6e-8 relative past it, as ggml's own f32 lanes), then scaled by d_x * d_w and added block
+    after block; a min term adds (d_x * dmin) * sum(mins * block sums of q), or for Q4_1/Q5_1 (Q8_1)
+    m * fp16(d_x * sum(q)). f32 [..., out].
+
+    group_sizes: a grouped product instead — x [M, in] rows sorted by expert, group e the next
+    group_sizes[e] rows, w stacked [E, in, out]; rows past the groups give 0."""
+    block = w.block
+    nb = w.d.shape[-2]
     if block == 256:
         q, dx = quantize_q8_k(x.astype(jnp.float32))
+        s = None
     else:
         q, dx, s = quantize_q8_0(x.astype(jnp.float32))
     hp = lax.Precision.HIGHEST
-    isum = jnp.einsum("...bk,bko->...bo", q, w.c.reshape(nb, block, n_out), precision=hp)
-    y = (dx * w.d) * isum  # [..., nb, out]: (d_x * d_w) first, as ggml
-    if w.mn is not None:
-        if w.group == block:  # Q8_1: the activation block sum, stored fp16
-            y = y + w.dmin * s
-        else:
-            sums = jnp.sum(q.reshape(*q.shape[:-2], nb, block // w.group, w.group), axis=-1)  # exact
-            msum = jnp.einsum("...bj,bjo->...bo", sums, w.mn.reshape(nb, block // w.group, n_out), precision=hp)
-            y = y + (dx * w.dmin) * msum
-    return jnp.sum(y, axis=-2)
+    if group_sizes is None:
+        def dot(a, m):
+            return jnp.einsum("...k,ko->...o", a, m, precision=hp)
+
+        def of_rows(a):  # [nb, out]: every row's scales
+            return a
+    else:
+        sizes = group_sizes.astype(jnp.int32)
+        ends = jnp.cumsum(sizes)
+        row_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right"), sizes.shape[0] - 1)
+
+        def dot(a, m):
+            return lax.ragged_dot(a, m, sizes, precision=hp, preferred_element_type=jnp.float32)
+
+        def of_rows(a):  # [E, nb, out] -> each row's expert's [M, nb, out]
+            return a[row_expert]
+    d = of_rows(w.d)
+    dmin = None if w.dmin is None else of_rows(w.dmin)
+    per = 0 if w.mn is None else block // w.group  # mins per block
+    y = 0.0
+    for b in range(nb):
+        term = (dx[..., b, :] * d[..., b, :]) * dot(q[..., b, :], w.c[..., b * block:(b + 1) * block, :])
+        if w.mn is not None and w.group == block:  # Q8_1: the activation block sum, stored fp16
+            term = term + dmin[..., b, :] * s[..., b, :]
+        elif w.mn is not None:
+            sums = jnp.sum(q[..., b, :].reshape(*q.shape[:-2], per, w.group), axis=-1)  # exact
+            term = term + (dx[..., b, :] * dmin[..., b, :]) * dot(sums, w.mn[..., b * per:(b + 1) * per, :])
+        y = y + term
+    if group_sizes is not None:
+        y = jnp.where((jnp.arange(x.shape[0]) < ends[-1])[:, None], y, 0)
+    return y

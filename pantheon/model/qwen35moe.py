@@ -21,9 +21,10 @@ flip top-2 router choices, whose smallest margin on the tiny reference model is 
 
 Kernels (model/kernels.py): attention and, for Q3_K experts, the routed MoE run through
 pantheon.pallas.dispatch; each layer program's static `kernels` records the implementation it was
-traced with. When every layer's expert tensors (gate, up, down, or the fused gate_up) are Q3_K, they
+traced with. When every layer's expert gate and up tensors (or the fused gate_up) are Q3_K, they
 stay Q3_K blocks on the device (`Q3KPlanes`, 114 bytes per 110 GGUF bytes) instead of being
-dequantized to float32; any other expert type keeps the float32 path (`_grouped_experts`). Both
+dequantized to float32, and so does down where it is Q3_K too (`q3k_expert_roles`); other experts
+keep the float32 path (`_grouped_experts`). Both
 paths route with pantheon.pallas.moe_q3k.route (SPEC §5). With `llamacpp` numerics every other
 quantized matrix loads as numerics.IntBlocks and multiplies in llama.cpp's integer arithmetic
 (the Q3_K kernel has its own integer mode)."""
@@ -78,28 +79,38 @@ def _layer_names(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, str]:
     return {k: f"blk.{i}.{n}" for k, n in names.items()}
 
 
-def q3k_experts(g: GGUFFile, spec: HybridSpec) -> bool:
-    """Whether the routed experts stay Q3_K blocks on the device (`experts_stay_q3k`)."""
-    return experts_stay_q3k(g.tensor_info(name).ggml_type for i in range(spec.n_layer)
-                            for key, name in _layer_names(g, spec, i).items() if key in _EXPERTS)
+GATE_UP, DOWN = "gate_up", "down"  # the roles of the routed expert tensors
 
 
-def experts_stay_q3k(expert_types) -> bool:
-    """The ggml types of every layer's routed expert tensors -> whether they stay Q3_K blocks: all
-    of them Q3_K. Decided for the whole model, so all layers of a kind share one program (and one
-    params structure); a mix (Q3_K_M's Q4_K/Q5_K ffn_down) keeps the float32 path. Admission
-    (engine/pool.py) charges the experts by the same rule."""
-    types = list(expert_types)
-    return bool(types) and all(t == GGMLQuantizationType.Q3_K for t in types)
+def q3k_experts(g: GGUFFile, spec: HybridSpec) -> frozenset[str]:
+    """The routed-expert roles whose tensors stay Q3_K blocks on the device (`q3k_expert_roles`)."""
+    return q3k_expert_roles((DOWN if key == "exp_down" else GATE_UP, g.tensor_info(name).ggml_type)
+                            for i in range(spec.n_layer) for key, name in _layer_names(g, spec, i).items()
+                            if key in _EXPERTS)
 
 
-def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: bool = False,
+def q3k_expert_roles(typed_roles) -> frozenset[str]:
+    """(role, ggml type) of every layer's routed expert tensors -> the roles that stay Q3_K blocks
+    (Q3KPlanes) for the grouped Q3_K kernel: GATE_UP (gate and up, or the fused gate_up) when all of
+    them are Q3_K, and DOWN as well when every down tensor is too. Decided for the whole model, so
+    all layers of a kind share one program (and one params structure). A Q3_K_M mix (Q3_K gate/up,
+    Q4_K/Q5_K down) keeps gate/up in blocks and runs its downs dense; experts without Q3_K gate/up
+    keep the float32 path. Admission (engine/pool.py) charges the experts by the same rule."""
+    q3k: dict[str, bool] = {}
+    for role, kind in typed_roles:
+        q3k[role] = q3k.get(role, True) and kind == GGMLQuantizationType.Q3_K
+    if not q3k.get(GATE_UP):
+        return frozenset()
+    return frozenset({GATE_UP} | ({DOWN} if q3k.get(DOWN) else set()))
+
+
+def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = frozenset(),
                    int_blocks: bool = False) -> dict[str, np.ndarray | Q3KPlanes | IntBlocks]:
-    """Layer i's tensors: Q3_K experts as planes with `q3k`; with `int_blocks` (llamacpp numerics)
+    """Layer i's tensors: the expert roles in `q3k` as planes; with `int_blocks` (llamacpp numerics)
     every other quantized matrix as IntBlocks, the rest dequantized float32."""
     out = {}
     for key, name in _layer_names(g, spec, i).items():
-        if q3k and key in _EXPERTS:  # raw [X, out, row bytes] blocks -> planes, never dequantized
+        if key in _EXPERTS and (DOWN if key == "exp_down" else GATE_UP) in q3k:  # raw [X, out, row bytes] blocks -> planes, never dequantized
             if name.endswith(_FUSED_GATE_UP):
                 if key == "exp_gate":
                     out[_GATE_UP_PLANES] = q3k_planes_from_blocks(g.tensor_data(name))
@@ -299,11 +310,12 @@ def _grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
 
 def _ffn(w, x, spec: HybridSpec, num: Numerics, kernels: kern.Kernels):
     """x + MoE(h) + shared expert(h), h = RMSNorm(x) * post_attention_norm (SPEC §5). x: [B, T, E].
-    Q3_K experts (Q3KPlanes) run through dispatch.moe_ffn, float32 ones through `_grouped_experts`."""
+    Q3_K gate/up experts (Q3KPlanes) run through dispatch.moe_ffn (with Q3_K planes or a dense down),
+    other experts through `_grouped_experts`."""
     h = rms_norm(x, w["post_norm"], spec.rms_eps).reshape(-1, x.shape[-1])  # [N, E]
     router_logits = h @ w["router"]  # [N, X], f32 (_KEEP_F32)
     schemes = tuple(num.scheme(key) for key in _EXPERTS)
-    if isinstance(w["exp_down"], Q3KPlanes):
+    if _GATE_UP_PLANES in w or isinstance(w["exp_gate"], Q3KPlanes):
         gate, up = (w[_GATE_UP_PLANES], None) if _GATE_UP_PLANES in w else (w["exp_gate"], w["exp_up"])
         routed = dispatch.moe_ffn(h, router_logits, spec.n_expert_used, gate, up, w["exp_down"], schemes=schemes,
                                   mode=dict(kernels)[kern.MOE_Q3K])
@@ -374,7 +386,8 @@ def layer_kernels(spec: HybridSpec, params, state: HybridState, t: int) -> dict[
 
 
 def _has_q3k_experts(params) -> bool:
-    return isinstance(params["layers"][0]["exp_down"], Q3KPlanes)
+    w = params["layers"][0]
+    return isinstance(w.get(_GATE_UP_PLANES, w.get("exp_gate")), Q3KPlanes)
 
 
 def _moe_supported(w) -> bool:

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pantheon.gguf.quants import dequantize, integer_parts
-from pantheon.model.numerics import NONE, Q8_K, quantize_activations, quantize_q8_k
+from pantheon.model.numerics import NONE, Q8_K, IntBlocks, int_linear, quantize_activations, quantize_q8_k
 from pantheon.pallas.dispatch import triton_params
 
 QK = 256  # weights per Q3_K super-block
@@ -347,9 +347,11 @@ def _schemes(schemes) -> tuple[str, str, str]:
 
 
 def _check_moe_args(x, router_logits, top_k, gate, up, down, what):
-    for name, p in (("gate", gate), ("up", up), ("down", down)):
+    for name, p in (("gate", gate), ("up", up)):
         if p is not None and not isinstance(p, Q3KPlanes):
             raise ValueError(f"{what}: {name} must be Q3KPlanes, got {type(p).__name__}")
+    if not isinstance(down, (Q3KPlanes, IntBlocks, jax.Array, np.ndarray)):
+        raise ValueError(f"{what}: down must be Q3KPlanes, IntBlocks or an array, got {type(down).__name__}")
     if x.ndim != 2 or router_logits.ndim != 2 or router_logits.shape[0] != x.shape[0]:
         raise ValueError(f"{what}: x must be [T, D] and router_logits [T, E]; got x{tuple(x.shape)}, "
                          f"router_logits{tuple(router_logits.shape)}")
@@ -358,7 +360,7 @@ def _check_moe_args(x, router_logits, top_k, gate, up, down, what):
     if not 1 <= top_k <= e:
         raise ValueError(f"{what}: top_k={top_k} must be in [1, {e}]")
     for p in (gate, up, down):
-        if p is not None:
+        if isinstance(p, Q3KPlanes):
             p.validate(what)
     f2 = gate.n_out if up is None else None
     if up is not None and gate.shape != up.shape:
@@ -368,9 +370,20 @@ def _check_moe_args(x, router_logits, top_k, gate, up, down, what):
     f = gate.n_out if up is not None else f2 // 2
     if gate.shape[0] != e or gate.shape[2] != dm:
         raise ValueError(f"{what}: gate weights {gate.shape} (E, N, K) do not match {e} experts and hidden {dm}")
-    if down.shape != (e, dm, f):
+    if isinstance(down, Q3KPlanes) and down.shape != (e, dm, f):
         raise ValueError(f"{what}: down weights {down.shape} (E, N, K) must be {(e, dm, f)}")
+    if not isinstance(down, Q3KPlanes) and tuple(down.shape) != (e, f, dm):
+        raise ValueError(f"{what}: dense down weights {tuple(down.shape)} (E, in, out) must be {(e, f, dm)}")
     return t, dm, e, f
+
+
+def grouped_dense(x: jax.Array, group_sizes: jax.Array, w, scheme: str = NONE) -> jax.Array:
+    """Rows of x [M, K] sorted by expert against a dense stacked weight w [E, K, N] (x rounded per
+    `scheme`) or IntBlocks (llama.cpp's integer arithmetic, numerics.int_linear): [M, N] f32."""
+    if isinstance(w, IntBlocks):
+        return int_linear(x, w, group_sizes)
+    return lax.ragged_dot(quantize_activations(x, scheme).astype(w.dtype), w, group_sizes.astype(jnp.int32),
+                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def q8k_rows(x: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array | None]:
@@ -391,7 +404,9 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
 
     x: [T, D] (the post-attention-normed hidden state); router_logits: [T, E] (ffn_gate_inp . x);
     gate, up: Q3KPlanes [E, F, D]; or up=None with gate the fused ffn_gate_up_exps [E, 2F, D] (first
-    F rows gate, next F up); down: Q3KPlanes [E, D, F]. Returns [T, D] in x's dtype:
+    F rows gate, next F up); down: Q3KPlanes [E, D, F], or (a mixed file, e.g. llama.cpp's Q3_K_M with
+    Q4_K/Q5_K down) a dense [E, F, D] array or IntBlocks, run by `grouped_dense` on the sorted rows.
+    Returns [T, D] in x's dtype:
     sum over the top_k experts of w_e * down_e(silu(gate_e x) * up_e x).
     schemes: activation rounding before the gate, up and down matmuls (pantheon.model.numerics,
     e.g. ("q8_k",) * 3 to follow llama.cpp's CPU arithmetic; default none). Rounding is per row,
@@ -414,11 +429,13 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
     m = t * top_k
     cdt = x.dtype
     s_gate, s_up, s_down = _schemes(schemes)
+    planes_down = isinstance(down, Q3KPlanes)
     xg = q8k_rows(x, s_gate)
     xu = xg if up is None or s_up == s_gate else q8k_rows(x, s_up)
 
     def swiglu_rows(g, u):
-        return q8k_rows((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cdt), s_down)
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cdt)
+        return q8k_rows(h, s_down) if planes_down else (h, None)
 
     if impl == "reference":
         (xg_rows, xg_scale), (xu_rows, xu_scale) = ((a[tok], None if sa is None else sa[tok]) for a, sa in (xg, xu))
@@ -429,7 +446,8 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
             g = grouped_matmul_q3k_reference(xg_rows, sizes, gate, xg_scale)
             u = grouped_matmul_q3k_reference(xu_rows, sizes, up, xu_scale)
         h, h_scale = swiglu_rows(g, u)
-        y = grouped_matmul_q3k_reference(h, sizes, down, h_scale)
+        y = grouped_matmul_q3k_reference(h, sizes, down, h_scale) if planes_down else \
+            grouped_dense(h, sizes, down, s_down)
     else:
         interpret = impl == "interpret"
         bm = default_block_m(m, e) if block_m is None else block_m
@@ -451,7 +469,10 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
             xu_pad = xg_pad if xu is xg else padded(xu)
             u = mm(xu_pad[0], planes=up, x_scale=xu_pad[1])
         h, h_scale = swiglu_rows(g, u)
-        y = jnp.take(mm(h, planes=down, x_scale=h_scale), dest, axis=0, mode="fill", fill_value=0)
+        if planes_down:
+            y = jnp.take(mm(h, planes=down, x_scale=h_scale), dest, axis=0, mode="fill", fill_value=0)
+        else:  # back to the sorted rows, for the dense grouped product
+            y = grouped_dense(jnp.take(h, dest, axis=0, mode="fill", fill_value=0), sizes, down, s_down)
     out = jnp.zeros((t, dm), jnp.float32).at[tok].add(y.astype(jnp.float32) * wsorted[:, None])
     return out.astype(x.dtype)
 
@@ -473,7 +494,14 @@ def moe_ffn_reference(x: jax.Array, router_logits: jax.Array, top_k: int, gate: 
     xk = jnp.broadcast_to(x.astype(jnp.float32)[:, None], (t, top_k, dm))
     g = _dense_expert_product(xk, gate, idx, halves[0], s_gate)
     u = _dense_expert_product(xk, gate if up is None else up, idx, halves[1], s_up)
-    y = _dense_expert_product(jax.nn.silu(g) * u, down, idx, slice(None), s_down)
+    h = jax.nn.silu(g) * u
+    if isinstance(down, Q3KPlanes):
+        y = _dense_expert_product(h, down, idx, slice(None), s_down)
+    else:  # every expert on every row, kept where chosen (test sizes)
+        each = [int_linear(h, down[ex]) if isinstance(down, IntBlocks) else
+                jnp.einsum("tkf,fd->tkd", quantize_activations(h, s_down), down[ex], precision=lax.Precision.HIGHEST)
+                for ex in range(e)]
+        y = jnp.select([(idx == ex)[..., None] for ex in range(e)], each)
     return jnp.einsum("tk,tkd->td", w, y, precision=lax.Precision.HIGHEST).astype(x.dtype)
 
 

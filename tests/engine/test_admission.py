@@ -15,7 +15,7 @@ from pantheon.gguf import open_gguf
 from pantheon.model.family import family_of
 from pantheon.model.spec import spec_from_gguf
 from pantheon.model.weights import params_nbytes
-from tests.fixtures.reference_qwen35moe import write_f32, write_q3k_experts
+from tests.fixtures.reference_qwen35moe import write_f32, write_q3_k_m, write_q3k_experts
 from tests.fixtures.tiny_models import Q, write_tiny_llama
 
 
@@ -27,8 +27,9 @@ def weight_bytes(path) -> int:
 
 @pytest.mark.parametrize("make", [
     lambda d: write_q3k_experts(d / "q3k.gguf"), lambda d: write_f32(d / "f32.gguf"),
+    lambda d: write_q3_k_m(d / "q3_k_m.gguf"),  # Q3_K gate/up in blocks, Q4_K down dequantized
     lambda d: write_tiny_llama(d / "q41.gguf", weight_type=Q.Q4_1, embd_type=Q.Q8_0)],
-    ids=["qwen35moe-q3k-experts", "qwen35moe-f32", "llama-q4_1"])
+    ids=["qwen35moe-q3k-experts", "qwen35moe-f32", "qwen35moe-q3_k_m", "llama-q4_1"])
 def test_the_estimate_is_what_the_loader_places(tmp_path, make):
     path = make(tmp_path)
     per_slot = estimate_device_bytes(str(path), 64, 1) - estimate_device_bytes(str(path), 64, 0)

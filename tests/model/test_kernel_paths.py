@@ -179,30 +179,36 @@ def test_q3k_experts_take_the_gguf_bytes_on_the_device(qwen35moe_q3k_experts_ggu
     assert file_bytes * 4 * 256 // 110 == sum(int(np.prod(p.shape)) * 4 for p in planes)
 
 
-def test_only_all_q3k_experts_become_planes(qwen35moe_q3k_experts_gguf, qwen35moe_f32_gguf, qwen35moe_q3_k_m_gguf):
-    for path, want in ((qwen35moe_q3k_experts_gguf, True), (qwen35moe_f32_gguf, False),
-                       (qwen35moe_q3_k_m_gguf, False)):  # q3_k_m: Q3_K gate/up, Q4_K down
+def test_q3k_expert_roles_become_planes(qwen35moe_q3k_experts_gguf, qwen35moe_f32_gguf, qwen35moe_q3_k_m_gguf):
+    both, gate_up = {qwen35moe.GATE_UP, qwen35moe.DOWN}, {qwen35moe.GATE_UP}
+    for path, want in ((qwen35moe_q3k_experts_gguf, both), (qwen35moe_f32_gguf, set()),
+                       (qwen35moe_q3_k_m_gguf, gate_up)):  # q3_k_m: Q3_K gate/up, Q4_K down
         g = open_gguf(path)
-        assert qwen35moe.q3k_experts(g, spec_from_gguf(g)) is want, path.name
+        assert qwen35moe.q3k_experts(g, spec_from_gguf(g)) == want, path.name
+    Q3, Q4 = Q.Q3_K, Q.Q4_K
+    roles = qwen35moe.q3k_expert_roles
+    assert roles([("gate_up", Q3), ("down", Q3), ("gate_up", Q3), ("down", Q4)]) == gate_up  # one down layer off
+    assert roles([("gate_up", Q3), ("gate_up", Q4), ("down", Q3)]) == set()  # no kernel entry without gate/up
+    assert roles([]) == set()
 
 
 def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
-    """The same Q3_K model with its experts as planes (dispatch.moe_ffn, reference) and dequantized
-    to float32 (_grouped_experts): one routing function (moe_q3k.route, SPEC §5) serves both; a fused
-    gate_up file gives the same logits."""
+    """The same Q3_K model with its experts as planes (dispatch.moe_ffn, reference), dequantized
+    to float32 (_grouped_experts), and with planes for gate/up only and a float32 down: one routing
+    function (moe_q3k.route, SPEC §5) serves all; a fused gate_up file gives the same logits."""
     assert qwen35moe.route is moe_q3k.route and not hasattr(qwen35moe, "_route")
     monkeypatch.setenv(dispatch.ENV, "reference")
     fused = write_tiny_qwen35moe(tmp_path / "fused.gguf", expert_type=Q.Q3_K, seed=3, n_layer=2,
                                  full_attention_interval=2, fused_gate_up=True, d_state=32, **Q3K_SHAPES)
 
-    def logits(path, planes=True):
+    def logits(path, planes=True, roles=None):
         g = open_gguf(path)
         spec = spec_from_gguf(g)
         with monkeypatch.context() as m:
-            if not planes:
-                m.setattr(qwen35moe, "q3k_experts", lambda g, spec: False)
+            if not planes or roles is not None:
+                m.setattr(qwen35moe, "q3k_experts", lambda g, spec: frozenset(roles or ()))
             params = qwen35moe.load_params(g, spec)
-        assert isinstance(params["layers"][0]["exp_down"], Q3KPlanes) is planes
+        assert isinstance(params["layers"][0]["exp_down"], Q3KPlanes) is (planes and roles is None)
         state = qwen35moe.allocate_state(spec, n_slots=1, ctx=CTX)
         toks = np.array([PROMPTS[0] + [0] * 4], np.int32)
         out, _ = qwen35moe.forward(params, state, toks, np.arange(16, dtype=np.int32)[None], np.zeros(1, np.int32),
@@ -218,6 +224,10 @@ def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
     assert planes.std() > 1.0
     assert max_err(planes, dense) <= TOL
     assert max_err(fused_logits, planes) <= 1e-5
+    # gate/up planes through the kernel entry, down dense (a Q3_K_M-style mix)
+    mixed, mixed_params = logits(tiny_q3k, roles={qwen35moe.GATE_UP})
+    assert isinstance(mixed_params["layers"][0]["exp_gate"], Q3KPlanes)
+    assert max_err(mixed, planes) <= TOL
 
 
 

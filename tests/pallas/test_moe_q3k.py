@@ -214,6 +214,29 @@ def test_moe_ffn_matches_dense_reference(rng, t, dm, f, e, k, fused, schemes):
         assert _rel(plain, dense) > 1e-4
 
 
+@pytest.mark.parametrize("down_kind", ["f32", "q4_k_int"])
+def test_moe_ffn_with_a_dense_down_matches_dense_reference(rng, down_kind):
+    """A Q3_K_M-style mix: Q3_K gate/up planes through the grouped kernel, the down projection dense
+    ([E, F, D] f32, or Q4_K IntBlocks with Q8_K rounding: llama.cpp's integer arithmetic)."""
+    from pantheon.model.numerics import IntBlocks
+    t, dm, f, e, k = 6, 256, 256, 4, 2
+    gate, up, _ = _moe_weights(rng, e, dm, f, False)
+    wd = (rng.standard_normal((e, dm, f)) * 0.05).astype(np.float32)  # [E, out, in]
+    if down_kind == "f32":
+        down, schemes = jnp.asarray(np.swapaxes(wd, 1, 2)), None
+    else:
+        down, schemes = IntBlocks.from_gguf(quantize_np(wd, T.Q4_K), T.Q4_K, f), Q8K
+        down = IntBlocks(*(jnp.asarray(a) for a in (down.c, down.d, down.mn, down.dmin)), group=down.group)
+    x = jnp.asarray(rng.standard_normal((t, dm)).astype(np.float32))
+    logits = jnp.asarray(rng.standard_normal((t, e)).astype(np.float32) * 2)
+    dense = np.asarray(moe_ffn_reference(x, logits, k, gate, up, down, schemes=schemes))
+    for impl in ("reference", "interpret"):
+        out = np.asarray(moe_ffn(x, logits, k, gate, up, down, impl=impl, schemes=schemes))
+        assert _rel(out, dense) <= 1e-5, f"seed {rng.seed}: {impl} vs dense {_rel(out, dense)}"
+    with pytest.raises(ValueError, match="dense down weights"):
+        moe_ffn(x, logits, k, gate, up, jnp.zeros((e, dm, f + 16)), impl="reference")
+
+
 def test_moe_ffn_all_experts_bf16(rng):
     t, dm, f, e = 4, 256, 256, 4
     gate, up, down = _moe_weights(rng, e, dm, f, False)
