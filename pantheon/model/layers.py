@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pantheon.model.numerics import NONE, Q8_0, IntBlocks, int_linear, quantize_activations
+from pantheon.model.numerics import NONE, Q8_0, IntBlocks, int_linear, quantize_activations, silu
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
 from pantheon.native.qmatmul import QMatrix, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
@@ -45,7 +45,7 @@ def swiglu(x, w_gate, w_up, w_down, schemes=(NONE, NONE, NONE)) -> jax.Array:
 
 def swiglu_down(gate, up, w_down, scheme: str = NONE) -> jax.Array:
     """The SwiGLU after its gate and up projections (computed apart, or as one fused product)."""
-    return linear(jax.nn.silu(gate) * up, w_down, scheme)
+    return linear(silu(gate) * up, w_down, scheme)
 
 
 def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE) -> jax.Array:

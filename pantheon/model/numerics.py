@@ -41,6 +41,14 @@ class Numerics:
         return dict(self.schemes).get(key, NONE)
 
 
+def silu(x: jax.Array) -> jax.Array:
+    """x * sigmoid(x) the way ggml computes it, x / (1 + exp(-x)): one rounding in the division
+    where jax.nn.silu's x * sigmoid(x) has two. That last bit decides 8-bit activation roundings
+    downstream (the tiny qwen35moe Q3_K_M file's 33-token run: a flip at position 19 with
+    jax.nn.silu, none with this)."""
+    return x / (1 + jnp.exp(-x))
+
+
 def scheme_for(ggml_type) -> str:
     return _ACT_SCHEME.get(ggml_type, NONE)
 

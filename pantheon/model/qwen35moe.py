@@ -44,7 +44,7 @@ from pantheon.gguf.reader import GGUFFile
 from pantheon.model import kernels as kern
 from pantheon.model.layers import linear, rms_norm, rope, swiglu
 from pantheon.gguf.quants import SCALE_FIELDS
-from pantheon.model.numerics import IntBlocks, Numerics, int_linear, quantize_activations, scheme_for
+from pantheon.model.numerics import IntBlocks, Numerics, int_linear, quantize_activations, scheme_for, silu
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
 from pantheon.model.state import HybridState, allocate_hybrid_state
 from pantheon.model.weights import load_tensor
@@ -209,7 +209,7 @@ def _causal_conv(prev, x, taps, lengths):
     window = jnp.concatenate([prev, x], axis=1)  # [B, K-1+T, C]; token t sits at row t + K-1
     out = sum(window[:, i:i + t] * taps[i] for i in range(n_taps))
     keep = lengths[:, None] + jnp.arange(n_taps - 1)  # rows of tokens lengths-K+1 .. lengths-1
-    return jax.nn.silu(out), jnp.take_along_axis(window, keep[..., None], axis=1)
+    return silu(out), jnp.take_along_axis(window, keep[..., None], axis=1)
 
 
 def _deltanet(w, conv_state, ssm_state, h, positions, slots, lengths, spec: HybridSpec, num: Numerics,
@@ -246,7 +246,7 @@ def _deltanet(w, conv_state, ssm_state, h, positions, slots, lengths, spec: Hybr
         o, s_new = dispatch.deltanet(q, k, v, g, beta, s0, lengths, chunk=16 if t <= 16 else 64, mode=mode)
         ssm_state = ssm_state.at[slots].set(s_new)
 
-    y = rms_norm(o, w["ssm_norm"], spec.rms_eps) * jax.nn.silu(z)  # norm first, then gate
+    y = rms_norm(o, w["ssm_norm"], spec.rms_eps) * silu(z)  # norm first, then gate
     out = linear(y.reshape(b, t, nv * d), w["w_out"], num.scheme("w_out"))
     return out, conv_state.at[slots].set(conv_new), ssm_state
 

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pantheon.gguf.quants import dequantize, integer_parts
-from pantheon.model.numerics import NONE, Q8_K, IntBlocks, int_linear, quantize_activations, quantize_q8_k
+from pantheon.model.numerics import NONE, Q8_K, IntBlocks, int_linear, quantize_activations, quantize_q8_k, silu
 from pantheon.pallas.dispatch import triton_params
 
 QK = 256  # weights per Q3_K super-block
@@ -434,7 +434,7 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
     xu = xg if up is None or s_up == s_gate else q8k_rows(x, s_up)
 
     def swiglu_rows(g, u):
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cdt)
+        h = (silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(cdt)
         return q8k_rows(h, s_down) if planes_down else (h, None)
 
     if impl == "reference":
@@ -494,7 +494,7 @@ def moe_ffn_reference(x: jax.Array, router_logits: jax.Array, top_k: int, gate: 
     xk = jnp.broadcast_to(x.astype(jnp.float32)[:, None], (t, top_k, dm))
     g = _dense_expert_product(xk, gate, idx, halves[0], s_gate)
     u = _dense_expert_product(xk, gate if up is None else up, idx, halves[1], s_up)
-    h = jax.nn.silu(g) * u
+    h = silu(g) * u
     if isinstance(down, Q3KPlanes):
         y = _dense_expert_product(h, down, idx, slice(None), s_down)
     else:  # every expert on every row, kept where chosen (test sizes)
