@@ -398,7 +398,7 @@ def q8k_rows(x: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array | None]:
 
 @partial(jax.jit, static_argnames=("top_k", "impl", "schemes", "block_m", "block_n"))
 def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes, up: Q3KPlanes | None,
-            down: Q3KPlanes, *, impl: str = "reference", schemes: tuple[str, str, str] | None = None,
+            down: Q3KPlanes | IntBlocks | jax.Array, *, impl: str = "reference", schemes: tuple[str, str, str] | None = None,
             block_m: int | None = None, block_n: int = 64) -> jax.Array:
     """Routed experts of a qwen35moe layer (SPEC section 5 steps 1-4; no shared expert).
 
@@ -479,7 +479,7 @@ def moe_ffn(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
 
 @partial(jax.jit, static_argnames=("top_k", "schemes"))
 def moe_ffn_reference(x: jax.Array, router_logits: jax.Array, top_k: int, gate: Q3KPlanes,
-                      up: Q3KPlanes | None, down: Q3KPlanes, schemes: tuple[str, str, str] | None = None) -> jax.Array:
+                      up: Q3KPlanes | None, down: Q3KPlanes | IntBlocks | jax.Array, schemes: tuple[str, str, str] | None = None) -> jax.Array:
     """Dense, independent `moe_ffn` for tests: per token, argsort the softmax descending, take k,
     renormalise, gather the k dequantised (or, for Q8_K activations, integer) expert matrices and
     apply SwiGLU with einsums (float32).
