@@ -124,8 +124,8 @@ def random_planes(rng, e, n, k):
 
 
 def moe_cases(rng):
-    from pantheon.pallas.moe_q3k import (dequantize_planes, grouped_matmul_q3k, grouped_matmul_q3k_reference,
-                                         moe_ffn, route)
+    from pantheon.pallas.moe import moe_ffn, route
+    from pantheon.pallas.moe_q3k import dequantize_planes, grouped_matmul_q3k, grouped_matmul_q3k_reference
     weights = {}
 
     def planes(name, n, k):

@@ -134,20 +134,27 @@ class IntBlocks:
 
 def int_linear(x: jax.Array, w: IntBlocks, group_sizes: jax.Array | None = None) -> jax.Array:
     """y = x W as llama.cpp's CPU computes it: x rounded per row to Q8_K (256-blocks) or Q8_0
-    (32-blocks), each block's dot product an exact integer sum (integers in f32: exact below 2**24,
-    and ~6e-8 relative past it, as ggml's own f32 lanes), then scaled by d_x * d_w and added block
-    after block; a min term adds (d_x * dmin) * sum(mins * block sums of q), or for Q4_1/Q5_1 (Q8_1)
-    m * fp16(d_x * sum(q)). f32 [..., out].
+    (32-blocks), then `int_product`. f32 [..., out].
 
     group_sizes: a grouped product instead — x [M, in] rows sorted by expert, group e the next
     group_sizes[e] rows, w stacked [E, in, out]; rows past the groups give 0."""
-    block = w.block
-    nb = w.d.shape[-2]
-    if block == 256:
+    if w.block == 256:
         q, dx = quantize_q8_k(x.astype(jnp.float32))
         s = None
     else:
         q, dx, s = quantize_q8_0(x.astype(jnp.float32))
+    return int_product(q, dx, s, w, group_sizes)
+
+
+def int_product(q: jax.Array, dx: jax.Array, s: jax.Array | None, w: IntBlocks,
+                group_sizes: jax.Array | None = None) -> jax.Array:
+    """llama.cpp's product of rounded activations with w: q [..., nb, block] integer codes, dx
+    [..., nb, 1] their scales (s: Q8_1's fp16 block sums, for Q4_1/Q5_1). Each block's dot is an
+    exact integer sum (integers in f32: exact below 2**24, and ~6e-8 relative past it, as ggml's
+    own f32 lanes), scaled by d_x * d_w and added block after block; a min term adds (d_x * dmin) *
+    sum(mins * block sums of q), or for Q8_1 m * s. f32 [..., out]; group_sizes as `int_linear`."""
+    block = w.block
+    nb = w.d.shape[-2]
     hp = lax.Precision.HIGHEST
     if group_sizes is None:
         def dot(a, m):
@@ -158,7 +165,7 @@ def int_linear(x: jax.Array, w: IntBlocks, group_sizes: jax.Array | None = None)
     else:
         sizes = group_sizes.astype(jnp.int32)
         ends = jnp.cumsum(sizes)
-        row_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right"), sizes.shape[0] - 1)
+        row_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(q.shape[0]), side="right"), sizes.shape[0] - 1)
 
         def dot(a, m):
             return lax.ragged_dot(a, m, sizes, precision=hp, preferred_element_type=jnp.float32)
@@ -178,5 +185,5 @@ def int_linear(x: jax.Array, w: IntBlocks, group_sizes: jax.Array | None = None)
             term = term + (dx[..., b, :] * dmin[..., b, :]) * dot(sums, w.mn[..., b * per:(b + 1) * per, :])
         y = y + term
     if group_sizes is not None:
-        y = jnp.where((jnp.arange(x.shape[0]) < ends[-1])[:, None], y, 0)
+        y = jnp.where((jnp.arange(q.shape[0]) < ends[-1])[:, None], y, 0)
     return y

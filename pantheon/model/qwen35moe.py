@@ -24,8 +24,8 @@ pantheon.pallas.dispatch; each layer program's static `kernels` records the impl
 traced with. When every layer's expert gate and up tensors (or the fused gate_up) are Q3_K, they
 stay Q3_K blocks on the device (`Q3KPlanes`, 114 bytes per 110 GGUF bytes) instead of being
 dequantized to float32, and so does down where it is Q3_K too (`q3k_expert_roles`); other experts
-keep the float32 path (`_grouped_experts`). Both
-paths route with pantheon.pallas.moe_q3k.route (SPEC §5). With `llamacpp` numerics every other
+keep the float32 path (`_grouped_experts`). Both paths route with pantheon.pallas.moe.route
+(SPEC §5). With `llamacpp` numerics every other
 quantized matrix loads as numerics.IntBlocks and multiplies in llama.cpp's integer arithmetic
 (the Q3_K kernel has its own integer mode)."""
 
@@ -50,7 +50,8 @@ from pantheon.model.state import HybridState, allocate_hybrid_state
 from pantheon.model.weights import load_tensor
 from pantheon.pallas import dispatch
 from pantheon.pallas.deltanet import kernel_supports
-from pantheon.pallas.moe_q3k import Q3KPlanes, q3k_planes_from_blocks, route
+from pantheon.pallas.moe import route
+from pantheon.pallas.moe_q3k import Q3KPlanes, q3k_planes_from_blocks
 
 # ---- weights --------------------------------------------------------------------------------------
 # params key -> GGUF tensor name inside blk.N. Matrices are stored [in, out] (x @ W), experts
@@ -82,9 +83,14 @@ def _layer_names(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, str]:
 GATE_UP, DOWN = "gate_up", "down"  # the roles of the routed expert tensors
 
 
+def _role(key: str) -> str:
+    """The role of an _EXPERTS params key."""
+    return DOWN if key == "exp_down" else GATE_UP
+
+
 def q3k_experts(g: GGUFFile, spec: HybridSpec) -> frozenset[str]:
     """The routed-expert roles whose tensors stay Q3_K blocks on the device (`q3k_expert_roles`)."""
-    return q3k_expert_roles((DOWN if key == "exp_down" else GATE_UP, g.tensor_info(name).ggml_type)
+    return q3k_expert_roles((_role(key), g.tensor_info(name).ggml_type)
                             for i in range(spec.n_layer) for key, name in _layer_names(g, spec, i).items()
                             if key in _EXPERTS)
 
@@ -110,7 +116,7 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = 
     every other quantized matrix as IntBlocks, the rest dequantized float32."""
     out = {}
     for key, name in _layer_names(g, spec, i).items():
-        if key in _EXPERTS and (DOWN if key == "exp_down" else GATE_UP) in q3k:  # raw [X, out, row bytes] blocks -> planes, never dequantized
+        if key in _EXPERTS and _role(key) in q3k:  # raw [X, out, row bytes] blocks -> planes, never dequantized
             if name.endswith(_FUSED_GATE_UP):
                 if key == "exp_gate":
                     out[_GATE_UP_PLANES] = q3k_planes_from_blocks(g.tensor_data(name))

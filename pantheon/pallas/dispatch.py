@@ -203,11 +203,11 @@ def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = 
 
 def moe_ffn(x, router_logits, top_k: int, gate, up, down, schemes=None, backend: str | None = None, *,
             mode: str | None = None):
-    """Routed Q3_K experts, x [T, D], router_logits [T, E] -> [T, D] (pantheon.pallas.moe_q3k.moe_ffn
+    """Routed Q3_K experts, x [T, D], router_logits [T, E] -> [T, D] (pantheon.pallas.moe.moe_ffn
     with impl = this kernel's mode; schemes: activation rounding for gate, up, down)."""
-    from pantheon.pallas import moe_q3k
+    from pantheon.pallas import moe
 
-    return moe_q3k.moe_ffn(x, router_logits, top_k, gate, up, down, impl=_mode("moe_q3k", backend, mode),
+    return moe.moe_ffn(x, router_logits, top_k, gate, up, down, impl=_mode("moe_q3k", backend, mode),
                            schemes=None if schemes is None else tuple(schemes))
 
 

@@ -30,7 +30,7 @@ from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import spec_from_gguf
 from pantheon.model.weights import params_nbytes
-from pantheon.pallas import attention, dispatch, moe_q3k
+from pantheon.pallas import attention, dispatch, moe, moe_q3k
 from pantheon.pallas.moe_q3k import PLANE_BYTES, Q3KPlanes
 from tests.fixtures.tiny_models import write_tiny_llama
 from tests.fixtures.tiny_qwen35moe import Q3K_SHAPES, Q, write_tiny_qwen35moe
@@ -130,9 +130,9 @@ def test_tiny_llama_interpreted_kernels_equal_reference(tiny_llama, monkeypatch)
 def test_tiny_qwen35moe_q3k_interpreted_kernels_equal_reference(tiny_q3k, monkeypatch):
     counts, seen, ref_seen = compare(tiny_q3k, monkeypatch, [(attention, "flash_attention"),
                                                              (attention, "decode_attention"),
-                                                             (moe_q3k, "_gmm_padded")])
+                                                             (moe_q3k, "gmm_padded")])
     assert counts.get("flash_attention", 0) >= 1 and counts.get("decode_attention", 0) >= 1
-    assert counts.get("_gmm_padded", 0) >= 3 * 2  # gate, up, down x prefill/decode (both layer kinds share a trace)
+    assert counts.get("gmm_padded", 0) >= 3 * 2  # gate, up, down x prefill/decode (both layer kinds share a trace)
     assert seen["attn_block"] == {(("attention_prefill", "interpret"), ("moe_q3k", "interpret")),
                                   (("attention_decode", "interpret"), ("moe_q3k", "interpret"))}
     assert seen["ssm_block"] == {(("deltanet", "interpret"), ("moe_q3k", "interpret"))}
@@ -195,8 +195,8 @@ def test_q3k_expert_roles_become_planes(qwen35moe_q3k_experts_gguf, qwen35moe_f3
 def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
     """The same Q3_K model with its experts as planes (dispatch.moe_ffn, reference), dequantized
     to float32 (_grouped_experts), and with planes for gate/up only and a float32 down: one routing
-    function (moe_q3k.route, SPEC §5) serves all; a fused gate_up file gives the same logits."""
-    assert qwen35moe.route is moe_q3k.route and not hasattr(qwen35moe, "_route")
+    function (moe.route, SPEC §5) serves all; a fused gate_up file gives the same logits."""
+    assert qwen35moe.route is moe.route and not hasattr(qwen35moe, "_route")
     monkeypatch.setenv(dispatch.ENV, "reference")
     fused = write_tiny_qwen35moe(tmp_path / "fused.gguf", expert_type=Q.Q3_K, seed=3, n_layer=2,
                                  full_attention_interval=2, fused_gate_up=True, d_state=32, **Q3K_SHAPES)

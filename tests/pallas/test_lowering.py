@@ -21,7 +21,8 @@ from pantheon.pallas import dispatch
 from pantheon.pallas.attention import decode_attention, flash_attention
 from pantheon.pallas.deltanet import gated_delta_rule, gated_delta_rule_step
 from pantheon.pallas.lowering import lower_for_cuda, triton_calls
-from pantheon.pallas.moe_q3k import Q3KPlanes, grouped_matmul_q3k, moe_ffn
+from pantheon.pallas.moe import moe_ffn
+from pantheon.pallas.moe_q3k import Q3KPlanes, grouped_matmul_q3k
 
 S = jax.ShapeDtypeStruct
 HIDDEN, N_HEAD, N_KV, EXPERTS, TOP_K, FFN, SLOTS, CTX = 2048, 16, 2, 256, 8, 512, 8, 4096
@@ -162,7 +163,7 @@ def test_dispatch_entry_points(monkeypatch):
     """The model's entry points call the implementation kernel_mode picks."""
     from pantheon.gguf.quants import quantize_np
     from pantheon.pallas.attention import attention_reference, decode_attention_reference
-    from pantheon.pallas.moe_q3k import moe_ffn as moe_direct
+    from pantheon.pallas.moe import moe_ffn as moe_direct
     from pantheon.pallas.moe_q3k import q3k_planes_from_blocks
 
     rng = np.random.default_rng()

@@ -18,9 +18,9 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 
 from pantheon.gguf.quants import dequantize_np, quantize_np
+from pantheon.pallas.moe import moe_ffn, moe_ffn_reference, q8k_rows, route
 from pantheon.pallas.moe_q3k import (PLANE_BYTES, Q3KPlanes, dequantize_planes, grouped_matmul_q3k,
-                                     grouped_matmul_q3k_reference, moe_ffn, moe_ffn_reference,
-                                     q3k_planes_from_blocks, q3k_planes_to_blocks, route)
+                                     grouped_matmul_q3k_reference, q3k_planes_from_blocks, q3k_planes_to_blocks)
 
 F32_REL = 2e-6
 
@@ -111,7 +111,6 @@ def test_grouped_matmul_integer_mode_is_ggml_q3k_q8k_arithmetic(rng):
     the integer weights (S - 32) * q, scaled by d_x * d_w (ggml_vec_dot_q3_K_q8_K). Kernel and
     reference against an int64 numpy transcription."""
     from pantheon.gguf.quants import integer_parts
-    from pantheon.pallas.moe_q3k import q8k_rows
     e, n, k, m = 3, 32, 512, 40
     raw, planes, _ = _q3k(rng, e, n, k)
     sizes = _groups(rng, e, m)
