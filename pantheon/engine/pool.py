@@ -17,7 +17,7 @@ from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes
 from pantheon.gguf.reader import GGUFError, open_gguf
 from pantheon.model.dtypes import compute_dtype, itemsize
-from pantheon.model.qwen35moe import DOWN, GATE_UP, q3k_expert_roles
+from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
 from pantheon.native import build as native_build
 from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
 
@@ -72,13 +72,10 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     f32 dense model's decode also holds the quant blocks the native kernel reads
     (weights.decode_matrices); plus KV in the compute dtype for n_slots + the scratch slot (every
     layer counted, an upper bound for the hybrid's attention-only KV)."""
-    def role(name: str) -> str | None:
-        return None if "_exps." not in name else DOWN if "ffn_down_exps" in name else GATE_UP
-
-    q3k = q3k_expert_roles((role(name), kind) for name, (_, kind, _) in tensors.items() if role(name))
+    q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items() if expert_role(name))
     weights = 0
     for name, (shape, kind, nbytes) in tensors.items():
-        if role(name) in q3k:
+        if expert_role(name) in q3k:
             weights += int(nbytes * Q3K_PLANE_BYTES)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)

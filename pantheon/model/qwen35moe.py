@@ -83,14 +83,14 @@ def _layer_names(g: GGUFFile, spec: HybridSpec, i: int) -> dict[str, str]:
 GATE_UP, DOWN = "gate_up", "down"  # the roles of the routed expert tensors
 
 
-def _role(key: str) -> str:
-    """The role of an _EXPERTS params key."""
-    return DOWN if key == "exp_down" else GATE_UP
+def expert_role(tensor_name: str) -> str | None:
+    """The role of a routed expert GGUF tensor (ffn_gate/up/down_exps, ffn_gate_up_exps), else None."""
+    return None if "_exps." not in tensor_name else DOWN if "ffn_down_exps" in tensor_name else GATE_UP
 
 
 def q3k_experts(g: GGUFFile, spec: HybridSpec) -> frozenset[str]:
     """The routed-expert roles whose tensors stay Q3_K blocks on the device (`q3k_expert_roles`)."""
-    return q3k_expert_roles((_role(key), g.tensor_info(name).ggml_type)
+    return q3k_expert_roles((expert_role(name), g.tensor_info(name).ggml_type)
                             for i in range(spec.n_layer) for key, name in _layer_names(g, spec, i).items()
                             if key in _EXPERTS)
 
@@ -116,7 +116,7 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = 
     every other quantized matrix as IntBlocks, the rest dequantized float32."""
     out = {}
     for key, name in _layer_names(g, spec, i).items():
-        if key in _EXPERTS and _role(key) in q3k:  # raw [X, out, row bytes] blocks -> planes, never dequantized
+        if key in _EXPERTS and expert_role(name) in q3k:  # raw [X, out, row bytes] blocks -> planes, never dequantized
             if name.endswith(_FUSED_GATE_UP):
                 if key == "exp_gate":
                     out[_GATE_UP_PLANES] = q3k_planes_from_blocks(g.tensor_data(name))

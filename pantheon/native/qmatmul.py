@@ -8,8 +8,8 @@ custom call (qmatmul.cc) that reads the blocks inside the compiled program like 
 one of two formulations: f32 activations times weights dequantized in registers ("exact"
 numerics), or activations first rounded to 8-bit blocks and integer dot products, as llama.cpp's
 CPU backend computes them ("llamacpp" numerics; ~1.5x less time per block). `qmatmul_reference` is the
-same product in plain jnp (round the activations the same way, dequantize, einsum): the kernel is
-tested against it.
+same product in plain jnp (dequantize and einsum, or numerics.int_linear's integer arithmetic): the
+kernel is tested against it.
 
 Where the native library cannot be built (build.py: no compiler, no AVX2, PANTHEON_NATIVE=0),
 `build.available()` is False and the models keep their f32 weights only."""
@@ -113,24 +113,31 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
 
 
 def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
-    """The product in plain jnp: round x (numerics.quantize_q8_0), dequantize the weights
-    (pantheon.gguf.quants), einsum. Against U4_1 (as against Q4_1), ggml's Q8_1 carries each block's sum
-    s = d * sum(q) rounded to fp16, which multiplies the weight block's minimum: that rounding is
-    applied here too."""
-    x = x.astype(jnp.float32)
-    dense = dequantize_blocks(w.blocks, w.qtype).reshape(w.n_out, w.n_in)
-    if not int8_activations:
-        return jnp.einsum("...i,oi->...o", x, dense, precision=jax.lax.Precision.HIGHEST)
-    from pantheon.model.numerics import quantize_q8_0
+    """The product in plain jnp: dequantize the weights (pantheon.gguf.quants), einsum; with
+    int8_activations, llama.cpp's integer arithmetic over the blocks' integer parts
+    (numerics.int_linear: x rounded to Q8_0, or Q8_1 against U4_1, whose fp16 block sum multiplies
+    the weight block's minimum)."""
+    from pantheon.model.numerics import int_linear
 
-    q, d, s = quantize_q8_0(x)
-    y = jnp.einsum("...i,oi->...o", (q * d).reshape(x.shape), dense, precision=jax.lax.Precision.HIGHEST)
-    if w.qtype == U4_1:  # the minimum term uses s, not d * sum(q)
-        nb = w.n_in // 32
-        mins = jax.lax.bitcast_convert_type(w.blocks.reshape(w.n_out, nb, BLOCK_BYTES[w.qtype])[..., 2:4], jnp.float16)
-        sum_error = s[..., 0] - d[..., 0] * jnp.sum(q, axis=-1)  # [..., nb]
-        y = y + jnp.einsum("...b,ob->...o", sum_error, mins.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return y
+    x = x.astype(jnp.float32)
+    if int8_activations:
+        return int_linear(x, int_blocks(w))
+    dense = dequantize_blocks(w.blocks, w.qtype).reshape(w.n_out, w.n_in)
+    return jnp.einsum("...i,oi->...o", x, dense, precision=jax.lax.Precision.HIGHEST)
+
+
+def int_blocks(w: QMatrix):
+    """A Q8_0 or U4_1 QMatrix as numerics.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block)."""
+    from pantheon.model.numerics import IntBlocks
+
+    b = w.blocks.reshape(w.n_out, w.n_in // 32, BLOCK_BYTES[w.qtype])
+    fp16 = lambda lo: jax.lax.bitcast_convert_type(b[..., lo:lo + 2], jnp.float16).astype(jnp.float32).T  # noqa: E731
+    if w.qtype == Q8_0:  # d, then 32 x int8
+        c = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8)
+        return IntBlocks(c.reshape(w.n_out, w.n_in).astype(jnp.float32).T, fp16(0))
+    # U4_1: d, m, then 32 x u8; the min term is m * 1 per block
+    c = b[..., 4:].reshape(w.n_out, w.n_in).astype(jnp.float32).T
+    return IntBlocks(c, fp16(0), jnp.ones((w.n_in // 32, w.n_out), jnp.float32), fp16(2), group=32)
 
 
 def embed_rows(w: QMatrix, ids: jax.Array) -> jax.Array:

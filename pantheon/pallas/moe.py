@@ -14,10 +14,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf.constants import GGMLQuantizationType
 from jax import lax
 
-from pantheon.gguf.quants import integer_parts
 from pantheon.model.numerics import NONE, Q8_K, IntBlocks, int_linear, quantize_activations, quantize_q8_k, silu
 from pantheon.pallas import moe_q3k
 from pantheon.pallas.moe_q3k import Q3KPlanes
@@ -210,11 +208,11 @@ def _dense_expert_product(xk, planes: Q3KPlanes, idx, rows: slice, scheme: str):
     if scheme != Q8_K:
         w = moe_q3k.dequantize_planes(planes)[:, rows][idx]  # [T, k, N, K]
         return jnp.einsum("tkd,tknd->tkn", quantize_activations(xk, scheme), w, precision=hp)
-    c, d, _, _ = integer_parts(moe_q3k.q3k_planes_to_blocks(planes), GGMLQuantizationType.Q3_K)
-    c, d = c[:, rows][idx], d[:, rows][idx]  # [T, k, N, K], [T, k, N, nb]
+    ints = moe_q3k.planes_int_blocks(planes)
+    c, d = ints.c[..., rows][idx], ints.d[..., rows][idx]  # [T, k, K, N], [T, k, nb, N]
     q, dx = quantize_q8_k(xk)  # [T, k, nb, 256], [T, k, nb, 1]
-    y = jnp.zeros(c.shape[:3], jnp.float32)
+    y = jnp.zeros((*c.shape[:2], c.shape[-1]), jnp.float32)
     for b in range(planes.n_blocks):
-        isum = jnp.einsum("tkj,tknj->tkn", q[:, :, b], c[..., b * moe_q3k.QK:(b + 1) * moe_q3k.QK], precision=hp)
-        y = y + (dx[:, :, b] * d[..., b]) * isum
+        isum = jnp.einsum("tkj,tkjn->tkn", q[:, :, b], c[:, :, b * moe_q3k.QK:(b + 1) * moe_q3k.QK], precision=hp)
+        y = y + (dx[:, :, b] * d[:, :, b]) * isum
     return y

@@ -50,8 +50,8 @@ def test_qmatmul_matches_the_reference(qtype):
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_qmatmul_with_8bit_activations_matches_the_reference(qtype):
     """llamacpp numerics: x rounded to Q8_0/Q8_1 blocks in the kernel, integer dot products. The
-    reference rounds x in jnp (numerics.quantize_q8_0) and dequantizes: the same values, so only
-    f32 summation order may differ; the rounding itself moves the product far more (checked, so
+    reference is numerics.int_linear over the blocks' integer parts: the same integer sums, so only
+    the f32 order of the scaled block sums may differ; the rounding itself moves the product far more (checked, so
     the kernel cannot be quietly computing the f32 product instead)."""
     rng = np.random.default_rng()
     for n_out, n_in, m in ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)):
