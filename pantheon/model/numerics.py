@@ -53,6 +53,13 @@ def scheme_for(ggml_type) -> str:
     return _ACT_SCHEME.get(ggml_type, NONE)
 
 
+def divide(a: jax.Array, divisor: float) -> jax.Array:
+    """a / divisor, an IEEE division as ggml's C computes it. XLA turns a division by a constant into
+    a multiplication by its reciprocal, which rounds ~4 % of quotients differently (amax / 127:
+    then and again after the fp16 rounding of a Q8_0 scale, a block's every code moves)."""
+    return a / lax.optimization_barrier(jnp.full_like(a, divisor))
+
+
 def quantize_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., K] as ggml-cpu's x86 quantizer rounds it to Q8_0/Q8_1 blocks of 32: (q [..., K/32, 32],
     d [..., K/32, 1], s [..., K/32, 1]), with d = amax / 127 stored as fp16, q = x * (127 / amax)
@@ -60,7 +67,7 @@ def quantize_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     The native kernel (qmatmul.cc) rounds the same way."""
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
     amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    d = amax / 127
+    d = divide(amax, 127)
     q = jnp.round(xb * jnp.where(amax == 0, 0, 127 / jnp.where(amax == 0, 1, amax)))
 
     def fp16(v):

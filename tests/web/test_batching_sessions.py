@@ -229,8 +229,10 @@ def test_watch_errors(small_server):
 
 
 # ---- the single-user path ---------------------------------------------------------------------------------
-def test_single_user_path_answers_429_at_once_and_advertises_1(tiny_paths):
-    server = ServerProcess(["--model", str(tiny_paths[0]), "--name", "solo", "--ctx-cap", "128"],
+def test_single_user_path_answers_429_at_once_and_advertises_1(smollm2_path):
+    # SmolLM2, not a tiny model: its 100 tokens take ~1 s, so the turn is surely still in flight when
+    # the second request comes (a tiny model could finish them first, and then rightly answer 200)
+    server = ServerProcess(["--model", str(smollm2_path), "--name", "solo", "--ctx-cap", "256"],
                            env={"QWEN35_BATCH_SLOTS": "0"})
     try:
         url = server.url
