@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ ENV_ROUTER = "PANTHEON_ROUTER"  # a router to register with (serve --router)
 ENV_ADVERTISE = "PANTHEON_ADVERTISE"  # the URL the router reaches this instance at (serve --advertise)
 ENV_WARMUP = "PANTHEON_WARMUP"  # "0": compile on first use instead of at load (tests)
 ENV_ACCESS_LOG = "PANTHEON_ACCESS_LOG"  # text (default), json or off: one line per request (web/observe.py)
+ENV_SESSION_KEY = "PANTHEON_SESSION_KEY"  # seals session blobs (HMAC); unset: a random key per process
 
 DEFAULT_CTX_CAP = 4096
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 request_too_large (not session restore)
@@ -110,6 +112,26 @@ class ServeConfig:
         return ModelConfig(path=path, name=served, ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
                            reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics)
+
+
+_session_key: bytes | None = None
+
+
+def session_key() -> bytes:
+    """The key session blobs are sealed with (engine/blob.py): PANTHEON_SESSION_KEY's UTF-8 bytes,
+    else 32 random bytes drawn once per process — then only this process accepts its own blobs.
+    Instances that move sessions between them (a router's drain) must share one key."""
+    global _session_key
+    if _session_key is None:
+        value = os.environ.get(ENV_SESSION_KEY, "")
+        if value and len(value.encode()) < 16:
+            raise ValueError(f"{ENV_SESSION_KEY} must be at least 16 bytes (e.g. 64 hex digits)")
+        _session_key = value.encode() if value else secrets.token_bytes(32)
+    return _session_key
+
+
+def session_key_configured() -> bool:
+    return bool(os.environ.get(ENV_SESSION_KEY))
 
 
 def session_host_bytes() -> int:

@@ -127,3 +127,21 @@ def test_numerics_default_is_exact_everywhere(command):
     args = cli.build_parser().parse_args(argv)
     assert args.numerics == "exact"
     assert cli.build_parser().parse_args([*argv, "--numerics", "llamacpp"]).numerics == "llamacpp"
+
+
+def test_serve_with_a_missing_model_file_exits_2_with_the_path(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    r = subprocess.run([sys.executable, "-m", "pantheon", "serve", "--port", "1", "--model", str(missing)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"model file not found: {missing}" in r.stderr, r.stderr
+
+
+def test_serve_whose_every_model_fails_to_load_exits_1_with_the_reason(tmp_path):
+    from tests.web.server import free_port
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    r = subprocess.run([sys.executable, "-m", "pantheon", "serve", "--port", str(free_port()), "--model", str(bad)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "could not load bad" in r.stderr and "bad magic" in r.stderr and "no model could be loaded" in r.stderr

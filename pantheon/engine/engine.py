@@ -25,7 +25,7 @@ from pantheon.engine.memory import MemoryLadder
 from pantheon.engine.runner import ModelRunner
 from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
-from pantheon.config import session_host_bytes
+from pantheon.config import session_host_bytes, session_key
 from pantheon.engine.sessions import CapacityError, HostBudget, Parked, SessionError, SlotTable, process_host_budget
 from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
 from pantheon.model.dtypes import backend_of, compute_dtype
@@ -76,7 +76,8 @@ class Engine:
     def __init__(self, path: str | Path, name: str | None = None, ctx_cap: int = 4096, max_sessions: int = 4,
                  max_concurrent: int = 0, batching: bool = True, queue_depth: int = 32,
                  numerics: str = "exact", reasoning_budget: int = 0, device=None,
-                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, host_budget: HostBudget | None = None):
+                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, host_budget: HostBudget | None = None,
+                 blob_key: bytes | None = None):
         t0 = time.perf_counter()
         self.path = Path(path)
         self.gguf: GGUFFile = open_gguf(self.path)
@@ -125,6 +126,8 @@ class Engine:
         self.throughput = Throughput()  # prefill and decode tokens and step seconds (/metrics)
         self._weights_version: int | None = None
         self._grammar_factory = None
+        self.compiling = False  # the warm-up compile is running (warm_up)
+        self.blob_key = blob_key or session_key()  # seals exported session blobs (engine/blob.py)
 
     # ---- what the memory ladder allows right now ------------------------------------------------------
     @property
@@ -221,13 +224,19 @@ class Engine:
         in its queue: requests that arrive meanwhile wait behind it instead of each waiting for its
         own compile mid-traffic, and the model is listed (ready) at once."""
         def done(seconds, error):
+            self.compiling = False
             if error is not None:
                 log.warning("%s: the compile warm-up failed (programs compile on first use): %s", self.name, error)
             else:
                 log.info("%s: compiled its prefill buckets and decode steps in %.1f s", self.name, seconds)
 
+        def warm() -> float:
+            log.info("%s: compiling its programs (requests wait until this ends)", self.name)
+            return self.runner.warm_up(lambda phase: log.info("%s: compiling %s", self.name, phase))
+
+        self.compiling = True  # /v1/models shows "status": "compiling" meanwhile
         self.start()
-        self.scheduler.put(("call", (self.runner.warm_up, done)))
+        self.scheduler.put(("call", (warm, done)))
 
     def stop(self) -> None:
         self.scheduler.stop()
@@ -304,6 +313,13 @@ class Engine:
             out[k] = a
         self.runner.import_slot(slot, out)
 
+    @property
+    def max_blob_bytes(self) -> int:
+        """The size of the largest session blob this model can export (a whole window), header included."""
+        layout = self.runner.slot_layout(self.ctx)
+        arrays = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+        return arrays + session_blob.MAX_HEADER_BYTES
+
     def _spill_nbytes(self, n_tok: int) -> int:
         layout = self.runner.slot_layout(self._tier_len(n_tok))
         return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
@@ -332,14 +348,16 @@ class Engine:
         arrays = conv.arrays if isinstance(conv, Parked) else self.runner.export_slot(conv.index, self._tier_len(n_tok))
         header = {"arch": self.spec.arch, "weights_version": self.weights_version, "n_tok": n_tok,
                   "tokens_sha256": session_blob.tokens_digest(conv.tokens)}
-        data = session_blob.pack(header, self._exact(arrays, n_tok))
+        data = session_blob.pack(header, self._exact(arrays, n_tok), self.blob_key)
         return {"session_id": session_id, "weights_version": self.weights_version, "n_tok": n_tok,
                 "blob_bytes": len(data), "blob": data, "tokens": list(conv.tokens)}
 
     def restore_session(self, session_id: str, data: bytes, tokens: list[int]) -> dict:
+        """Install a blob this server (or one sharing its session key) exported. Its KV stays private
+        to `session_id` (sessions.Slot.private): it never seeds another id or an anonymous request."""
         self._single_process()
         try:
-            header, arrays = session_blob.unpack(data)
+            header, arrays = session_blob.unpack(data, self.blob_key)
         except session_blob.BlobError as e:
             raise SessionError(400, "bad_session_blob", str(e)) from None
         bad = lambda msg: SessionError(400, "bad_session_blob", msg)
@@ -362,6 +380,9 @@ class Engine:
         got = {k: (tuple(a.shape), str(a.dtype)) for k, a in arrays.items()}
         if got != layout:
             raise bad("blob arrays do not fit this model's state layout")
+        for k, a in arrays.items():  # a NaN in one position would poison every later token of the session
+            if a.dtype.kind not in "iub" and not np.isfinite(a.astype(np.float32, copy=False)).all():
+                raise bad(f"blob array {k!r} holds non-finite values")
         try:
             self.table.restore(session_id, list(tokens), arrays)
         except CapacityError:

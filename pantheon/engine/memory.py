@@ -25,6 +25,25 @@ def meminfo_bytes(key: str, default: int = 0) -> int:
     return default
 
 
+def release_free_memory() -> str:
+    """Hand the allocator's free pages back to the OS, after something large was freed (a refused or
+    restored session body, an unloaded model). tcmalloc (which `pantheon` preloads) keeps freed
+    spans for reuse: a 250 MB body grown by realloc leaves ~700 MB resident until told; glibc keeps
+    its arenas' tops. Returns which allocator was asked ("" where neither is present)."""
+    import ctypes
+
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return ""
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        fn = getattr(process, name, None)
+        if fn is not None:
+            fn(*args)
+            return name
+    return ""
+
+
 @dataclass(frozen=True)
 class MemoryProbe:
     """What a device's allocator says: `limit`/`used` bytes, or None with `source` saying why the

@@ -4,18 +4,20 @@ Errors carry the contract's status and `type` (`PoolError`); the web layer only 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 from pantheon.config import MAX_MODEL_DIES, EngineEnv, ModelConfig
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.engine import Engine
-from pantheon.engine.memory import meminfo_bytes
-from pantheon.gguf.reader import GGUFError, open_gguf
+from pantheon.engine.memory import meminfo_bytes, release_free_memory
+from pantheon.gguf.reader import MAX_MESSAGE, GGUFError, clip, open_gguf
 from pantheon.model.dtypes import compute_dtype, itemsize
 from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
 from pantheon.native import build as native_build
@@ -27,6 +29,7 @@ LOADING, READY, UNLOADING, FAILED = "loading", "ready", "unloading", "failed"
 
 class PoolError(Exception):
     def __init__(self, status: int, type_: str, message: str):
+        message = clip(message, 2 * MAX_MESSAGE)  # the path and a clipped GGUFError, at most
         super().__init__(message)
         self.status, self.type, self.message = status, type_, message
 
@@ -155,6 +158,16 @@ class ModelPool:
                                                         "(a replica needs its own dies)")
             entry = ModelEntry(config)
             self._entries[self._key(config)] = entry
+        failure = self._build(entry, config)
+        if failure is None:
+            return entry
+        reclaim()  # what the refused load built (a tokenizer, weights, compiled programs) goes now
+        raise failure
+
+    def _build(self, entry: ModelEntry, config: ModelConfig) -> PoolError | None:
+        """Build the entry's engine; the refusal (entry removed), or None when it is READY. The
+        refusal is returned, not raised, and carries no traceback of the failure: those frames hold
+        the half-built engine, which `reclaim` must be able to free."""
         try:
             with self._upload:
                 device = placement(config.dies)
@@ -174,18 +187,18 @@ class ModelPool:
                 if env.warm_up:
                     entry.engine.warm_up()
             entry.state = READY
-            return entry
+            return None
         except GGUFError as e:
-            self._fail(entry, str(e))
-            raise PoolError(500, "load_failed", str(e)) from None
+            failure = PoolError(500, "load_failed", str(e))
         except ValueError as e:  # e.g. heads not divisible by the die count
-            self._fail(entry, str(e))
-            raise PoolError(400, "load_failed", f"cannot load {config.name!r} on dies {list(config.dies or [])}: {e}") \
-                from None
+            failure = PoolError(400, "load_failed", f"cannot load {config.name!r} on dies "
+                                                    f"{list(config.dies or [])}: {e}")
         except Exception as e:  # noqa: BLE001 - any load failure is reported, the server stays up
-            log.exception("load of %s failed", config.path)
-            self._fail(entry, str(e))
-            raise PoolError(500, "load_failed", f"loading {config.path} failed: {e}") from None
+            # the traceback as text: a LogRecord holding exc_info would keep the half-built engine alive
+            log.error("load of %s failed:\n%s", config.path, traceback.format_exc())
+            failure = PoolError(500, "load_failed", f"loading {config.path} failed: {e}")
+        self._fail(entry, failure.message)
+        return failure
 
     @staticmethod
     def _key(config: ModelConfig) -> str:
@@ -197,6 +210,9 @@ class ModelPool:
             key = self._key(entry.config)
             if self._entries.get(key) is entry:
                 del self._entries[key]
+        if entry.engine is not None:
+            entry.engine.stop()
+            entry.engine = None
 
     def _admit(self, config: ModelConfig) -> None:
         if config.dies is not None and len(config.dies) > MAX_MODEL_DIES:
@@ -265,11 +281,24 @@ class ModelPool:
         with self._lock:
             for entry in entries:
                 self._entries.pop(self._key(entry.config), None)
+        del entries, entry
+        reclaim()
+
 
     def close(self) -> None:
         for e in self.entries():
             if e.engine is not None:
                 e.engine.stop()
+
+
+def reclaim() -> None:
+    """Free what an unloaded or refused model left, now. An Engine is a web of reference cycles
+    (its table's spill/fill are its bound methods, the scheduler points back at it, jax arrays and
+    executables hang off the runner), so refcounting never frees it: only the cyclic collector's
+    rare full pass did, and RSS grew ~25 MiB per load/unload cycle until then. Then the allocator
+    hands the freed pages back to the OS (memory.release_free_memory)."""
+    gc.collect()
+    release_free_memory()
 
 
 def placement(dies: tuple[int, ...] | None):

@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from functools import partial, wraps
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -212,13 +213,13 @@ class ModelRunner:
             return self.decode_params
         return self.prefill_params
 
-    def warm_up(self) -> float:
+    def warm_up(self, progress: Callable[[str], None] = lambda phase: None) -> float:
         """Compile, from abstract shapes, what serving calls on first use: every prefill chunk
         bucket's programs and the sampler after it, and the full decode step with the sampler
         inlined for every batch bucket. Otherwise the first prompt of each new length, and the
         first step at each new concurrency, would wait for a compile (0.1-1 s each on the CPU,
         even from the persistent cache): the TTFT spikes of the first requests. Nothing runs and
-        no state changes. Returns the seconds spent."""
+        no state changes. `progress(phase)` is told each phase as it starts. Returns the seconds spent."""
         t0 = time.perf_counter()
         shapes = lambda tree: jax.tree_util.tree_map(abstract, tree)  # noqa: E731
         cache = shapes(self.cache)  # fresh lists: the forward's in-place layer updates stay here
@@ -226,6 +227,7 @@ class ModelRunner:
         for chunk in CHUNK_BUCKETS:
             if chunk > self.ctx:
                 break
+            progress(f"prefill chunk {chunk}")
             seen: dict[str, int] = {}
 
             def call(name, fn, args, static, chunk=chunk):
@@ -238,12 +240,14 @@ class ModelRunner:
             one = jax.ShapeDtypeStruct((1,), jnp.int32)
             self.family.forward(shapes(self._params_for("prefill", chunk)), cache, i32, i32, one, one, spec=self.spec,
                                 numerics=self.numerics, kv_len=self.kv_bucket(chunk), all_logits=False, call=call)
+        progress("sampler")
         sampling = SlotSampling(SamplingParams(), np.zeros(2, np.uint32))
         logits = jax.ShapeDtypeStruct((1, self.spec.n_vocab), jnp.float32)
         key, args, static = self._sample_program(logits, [self.scratch], [sampling], None, None, advance=False)
         self.registry.precompile(key, sample, shapes(args), static)
         if self.full_step:
             for b in (b for b in DECODE_BUCKETS if b <= bucket_for(self.n_slots, DECODE_BUCKETS)):
+                progress(f"decode step, batch {b}")
                 key, args, static = self._step_sample_program(DecodeWork([self.scratch] * b, [0] * b, [0] * b,
                                                                          [sampling] * b))
                 self.registry.precompile(key, full_step_and_sample, shapes(args), static)

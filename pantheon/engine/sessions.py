@@ -26,6 +26,11 @@ Data model
   parked conversation of this table is dropped (that session's next turn re-prefills; the id stays
   live). Without a host tier (no callbacks, or a zero budget) nothing is ever parked: new ids over
   the bound get the 429 and anonymous requests wait for a slot no live session holds.
+* KV that came in through `restore` is *private*: a client built it, so it may only serve the id
+  that restored it. A private conversation (and what grows from it in its slot) never seeds another
+  id's conversation or an anonymous request: when its slot is disowned (release, reap, a move to
+  the host tier) the slot forgets its history instead of staying a reusable prefix; a slot stops
+  being private when a prefill overwrites it from position 0.
 * `session_conflict` is reported only when a conversation had to overwrite another of the same id
   without parking it (no host tier, or the spill failed)."""
 
@@ -59,6 +64,7 @@ class Slot:
     owner: str | None = None  # session id
     busy: bool = False  # a sequence is running in it
     last_used: float = 0.0
+    private: bool = False  # holds KV from a restore (or grown from one): never shared with another id
 
 
 @dataclass(eq=False)  # identity: the arrays do not compare
@@ -69,6 +75,7 @@ class Parked:
     arrays: dict
     nbytes: int
     last_used: float
+    private: bool = False  # came in through a restore (see Slot.private)
 
 
 @dataclass
@@ -289,13 +296,13 @@ class SlotTable:
         try:
             if n_dev >= n_host:
                 self.fill(slot.index, self.spill(src.index, n_dev))
-                slot.tokens = src.tokens[:n_dev]
+                slot.tokens, slot.private = src.tokens[:n_dev], src.private
             else:  # the whole parked conversation goes in; the slot keeps the shared part
                 self.fill(slot.index, parked.arrays)
-                slot.tokens = parked.tokens[:n_host]
+                slot.tokens, slot.private = parked.tokens[:n_host], parked.private
         except Exception:  # noqa: BLE001 - the new conversation prefills instead
             log.exception("copying a shared prefix into a slot failed")
-            slot.tokens = []
+            slot.tokens, slot.private = [], False
             return
         self.copies += 1
 
@@ -303,6 +310,8 @@ class SlotTable:
         cached = self.reusable(slot, prompt) if use_cache else 0
         slot.busy, slot.owner, slot.last_used = True, owner, now
         slot.tokens = slot.tokens[:cached]
+        if not cached:  # the prefill overwrites the slot from position 0
+            slot.private = False
         return slot, cached
 
     def _live_owner(self, slot: Slot) -> bool:
@@ -320,14 +329,22 @@ class SlotTable:
 
     def invalidate(self, slot: Slot) -> None:
         """The slot's contents are unknown (a failed device step): forget them."""
-        slot.tokens = []
+        slot.tokens, slot.private = [], False
+
+    @staticmethod
+    def _disown(slot: Slot) -> None:
+        """The slot no longer belongs to a session. Its history stays a reusable prefix for anyone,
+        unless it is private (restored KV), which is forgotten."""
+        slot.owner = None
+        if slot.private:
+            slot.tokens, slot.private = [], False
 
     # ---- the host tier ------------------------------------------------------------------------------
     def _park(self, slot: Slot) -> bool:
         """Move an idle slot's conversation to the host tier and disown the slot (its tokens stay, a
         reusable prefix until overwritten). False, with nothing changed, when it cannot be kept."""
         if not slot.tokens or not self._live_owner(slot):
-            slot.owner = None
+            self._disown(slot)
             return True
         if not self.tiered:
             return False
@@ -342,8 +359,9 @@ class SlotTable:
         nbytes = sum(int(a.nbytes) for a in arrays.values())
         if not self._make_room(nbytes):
             return False
-        self.sessions[slot.owner].host.append(Parked(list(slot.tokens), arrays, nbytes, slot.last_used))
-        slot.owner = None
+        self.sessions[slot.owner].host.append(Parked(list(slot.tokens), arrays, nbytes, slot.last_used,
+                                                     slot.private))
+        self._disown(slot)
         self.spills += 1
         return True
 
@@ -357,10 +375,11 @@ class SlotTable:
             try:
                 self.fill(slot.index, parked.arrays)
             except Exception:
-                slot.tokens, slot.owner = [], None  # contents unknown; the conversation stays parked
+                slot.tokens, slot.owner, slot.private = [], None, False  # contents unknown; it stays parked
                 raise
             slot.tokens = list(parked.tokens)
             self.fills += 1
+        slot.private = parked.private
         self._unstore(session, parked)
 
     def _fits(self, nbytes: int) -> bool:
@@ -417,9 +436,9 @@ class SlotTable:
             try:
                 self.fill(slot.index, arrays)
             except Exception:
-                slot.tokens, slot.owner = [], None
+                slot.tokens, slot.owner, slot.private = [], None, False
                 raise
-            slot.tokens, slot.owner, slot.last_used = list(tokens), session_id, now
+            slot.tokens, slot.owner, slot.last_used, slot.private = list(tokens), session_id, now, True
             where = "device"
         else:
             for parked in superseded:
@@ -428,7 +447,7 @@ class SlotTable:
             nbytes = sum(int(a.nbytes) for a in arrays.values())
             if not (self.tiered and self._make_room(nbytes)):
                 raise CapacityError(session_id)
-            session.host.append(Parked(list(tokens), arrays, nbytes, now))
+            session.host.append(Parked(list(tokens), arrays, nbytes, now, private=True))
             where = "host"
         for parked in superseded:
             self._unstore(session, parked)
@@ -447,7 +466,7 @@ class SlotTable:
                 self._unstore(session, parked)
         for s in self.slots:
             if s.owner == session_id:
-                s.owner = None
+                self._disown(s)
 
     def take_conflict(self, session_id: str | None) -> bool:
         session = self.sessions.get(session_id) if session_id else None

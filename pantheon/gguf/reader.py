@@ -22,6 +22,9 @@ MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_ALIGNMENT = 1 << 20  # llama.cpp only needs a power of two; anything larger is corruption
 MAX_ARRAY_DEPTH = 8  # arrays of arrays: real files nest at most once
+MAX_TENSOR_NAME = 63  # llama.cpp: a name must fit GGML_MAX_NAME (64) with its NUL
+MAX_KEY = (1 << 16) - 1  # the GGUF spec: a metadata key is at most 65535 bytes
+MAX_MESSAGE = 480  # an error message longer than this is cut (it would be quoting file content)
 
 # GGUF metadata value types -> struct format (scalars only).
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -35,8 +38,24 @@ _FLOAT_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16:
                  GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32}
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """repr(value) for an error message, cut to `limit` characters: a message names what it found
+    in the file, but never echoes megabytes of it back (a corrupt length can make a "name" huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} chars)"
+
+
+def clip(message: str, limit: int = MAX_MESSAGE) -> str:
+    """The whole message cut to `limit` characters: the net under `shown`."""
+    return message if len(message) <= limit else f"{message[:limit - 40]}... ({len(message) - limit + 40} chars cut)"
+
+
 class GGUFError(ValueError):
-    """A GGUF file that cannot be used, with the file and the problem named."""
+    """A GGUF file that cannot be used, with the file and the problem named (at most MAX_MESSAGE
+    characters: `clip`)."""
+
+    def __init__(self, message: str):
+        super().__init__(clip(str(message)))
 
 
 @dataclass(frozen=True)
@@ -72,8 +91,11 @@ class _Cursor:
         self.pos += n
         return v
 
-    def string(self) -> str:
+    def string(self, limit: int | None = None, what: str = "string") -> str:
         n = self.scalar("<Q")
+        if limit is not None and n > limit:  # refused before it is read: a corrupt length is not a name
+            raise GGUFError(f"{self.path}: {what} at offset {self.pos - 8} is {n} bytes long "
+                            f"(at most {limit}): corrupt header")
         self.need(n)
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
@@ -131,14 +153,14 @@ class GGUFFile:
         if n_tensors > 1 << 20 or n_kv > 1 << 20:
             raise GGUFError(f"{self.path}: implausible header ({n_tensors} tensors, {n_kv} keys)")
         for _ in range(n_kv):
-            key = cur.string()
+            key = cur.string(MAX_KEY, "metadata key")
             self.metadata[key] = cur.value(cur.scalar("<I"))
         raw_infos = []
         for _ in range(n_tensors):
-            name = cur.string()
+            name = cur.string(MAX_TENSOR_NAME, "tensor name")
             n_dims = cur.scalar("<I")
             if n_dims > 4:
-                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dims (max 4)")
+                raise GGUFError(f"{self.path}: tensor {shown(name)} has {n_dims} dims (max 4)")
             ne = [cur.scalar("<Q") for _ in range(n_dims)]
             gtype, offset = cur.scalar("<I"), cur.scalar("<Q")
             raw_infos.append((name, ne, gtype, offset))
@@ -146,11 +168,11 @@ class GGUFFile:
         if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1) \
                 or align > MAX_ALIGNMENT:
             raise GGUFError(f"{self.path}: general.alignment must be a power of two up to {MAX_ALIGNMENT}, "
-                            f"got {align!r}")
+                            f"got {shown(align)}")
         data_start = (cur.pos + align - 1) // align * align
         for name, ne, gtype, offset in raw_infos:
             if name in self.tensors:
-                raise GGUFError(f"{self.path}: duplicate tensor name {name!r}")
+                raise GGUFError(f"{self.path}: duplicate tensor name {shown(name)}")
             self.tensors[name] = self._tensor_info(name, ne, gtype, data_start + offset)
         self._check_layout(raw_infos, align, data_start)
 
@@ -163,17 +185,17 @@ class GGUFFile:
         for name, _, _, offset in raw_infos:
             info = self.tensors[name]
             if offset % align:
-                raise GGUFError(f"{self.path}: tensor {name!r} data offset {offset} is not a multiple of "
+                raise GGUFError(f"{self.path}: tensor {shown(name)} data offset {offset} is not a multiple of "
                                 f"general.alignment {align}")
             if offset < expected:
-                raise GGUFError(f"{self.path}: tensor {name!r} (data offset {offset}) overlaps tensor {prev!r} "
-                                f"(which ends at data offset {expected}): corrupt tensor offsets")
+                raise GGUFError(f"{self.path}: tensor {shown(name)} (data offset {offset}) overlaps tensor "
+                                f"{shown(prev)} (which ends at data offset {expected}): corrupt tensor offsets")
             if offset > expected:
-                raise GGUFError(f"{self.path}: tensor {name!r} has data offset {offset}, expected {expected} "
-                                f"(right after tensor {prev!r}; tensor data must be contiguous): corrupt tensor "
-                                f"offsets, or a wrong type or shape for {prev!r}")
+                raise GGUFError(f"{self.path}: tensor {shown(name)} has data offset {offset}, expected {expected} "
+                                f"(right after tensor {shown(prev)}; tensor data must be contiguous): corrupt tensor "
+                                f"offsets, or a wrong type or shape for {shown(prev)}")
             if info.offset + info.nbytes > len(self._mm):
-                raise GGUFError(f"{self.path}: tensor {name!r} runs past the end of the file (needs bytes "
+                raise GGUFError(f"{self.path}: tensor {shown(name)} runs past the end of the file (needs bytes "
                                 f"{info.offset}..{info.offset + info.nbytes}, file has {len(self._mm)}): "
                                 f"truncated file")
             expected = offset + (info.nbytes + align - 1) // align * align
@@ -189,9 +211,9 @@ class GGUFFile:
             qtype = GGMLQuantizationType(gtype)
             block, tsize = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise GGUFError(f"{self.path}: tensor {name!r} has unknown ggml type {gtype}") from None
+            raise GGUFError(f"{self.path}: tensor {shown(name)} has unknown ggml type {gtype}") from None
         if ne and ne[0] % block:
-            raise GGUFError(f"{self.path}: tensor {name!r} row length {ne[0]} is not a multiple of "
+            raise GGUFError(f"{self.path}: tensor {shown(name)} row length {ne[0]} is not a multiple of "
                             f"the {qtype.name} block size {block}")
         n_elems = math.prod(ne) if ne else 1  # Python ints: a corrupt size cannot wrap around
         nbytes = n_elems // block * tsize
@@ -210,7 +232,7 @@ class GGUFFile:
 
     def require(self, key: str) -> Any:
         if key not in self.metadata:
-            raise GGUFError(f"{self.path}: missing required metadata key {key!r}")
+            raise GGUFError(f"{self.path}: missing required metadata key {shown(key)}")
         return self.metadata[key]
 
     # ---- tensor data --------------------------------------------------------------------------
@@ -218,7 +240,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
+            raise GGUFError(f"{self.path}: missing tensor {shown(name)}") from None
 
     def tensor_data(self, name: str) -> np.ndarray:
         """Zero-copy view. Float/int types come typed in numpy shape; block-quantized types come as

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pantheon.gguf.reader import GGUFError, GGUFFile
+from pantheon.gguf.reader import GGUFError, GGUFFile, shown
 
 # llama.cpp's rope variants: NORM rotates adjacent pairs (x[2i], x[2i+1]) — the llama converter
 # permutes Q/K rows for it; NEOX rotates halves (x[i], x[i + d/2]).
@@ -92,7 +92,7 @@ def _check_vocab(g: GGUFFile, n_vocab: int) -> None:
         seen: dict[str, int] = {}
         for i, t in enumerate(tokens):
             if t and t in seen:
-                raise GGUFError(f"{g.path}: duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
+                raise GGUFError(f"{g.path}: duplicate token in vocabulary: {shown(t)} has ids {seen[t]} and {i}")
             seen.setdefault(t, i)
     if len(tokens) > n_vocab:
         raise GGUFError(f"{g.path}: tokenizer.ggml.tokens has {len(tokens)} tokens, more than the "
@@ -102,7 +102,7 @@ def _check_vocab(g: GGUFFile, n_vocab: int) -> None:
 def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     arch = g.architecture
     if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(f"{g.path}: unsupported architecture {arch!r} "
+        raise GGUFError(f"{g.path}: unsupported architecture {shown(arch)} "
                         f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
     if arch in HYBRID_ARCHS:
         return hybrid_spec_from_gguf(g)
@@ -167,10 +167,10 @@ _UNSUPPORTED_TENSORS = {
 def _check_dense_variant(g: GGUFFile, arch: str) -> None:
     scaling = g.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None, ""):
-        raise GGUFError(f"{g.path}: {arch}.rope.scaling.type {scaling!r} is not supported (only unscaled rope)")
+        raise GGUFError(f"{g.path}: {arch}.rope.scaling.type {shown(scaling)} is not supported (only unscaled rope)")
     for name, what in _UNSUPPORTED_TENSORS.items():
         if name in g.tensors:
-            raise GGUFError(f"{g.path}: tensor {name!r}: {what} are not supported")
+            raise GGUFError(f"{g.path}: tensor {shown(name)}: {what} are not supported")
     if "blk.0.ffn_gate_inp.weight" in g.tensors:
         raise GGUFError(f"{g.path}: {arch} with routed experts (ffn_gate_inp) is not supported")
 
@@ -214,7 +214,7 @@ def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
     for name, shape in expect.items():
         info = g.tensor_info(name)
         if info.shape != shape:
-            raise GGUFError(f"{g.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
+            raise GGUFError(f"{g.path}: tensor {shown(name)} has shape {info.shape}, expected {shape} "
                             f"from the {spec.arch} metadata")
 
 
@@ -315,7 +315,7 @@ def hybrid_spec_from_gguf(g: GGUFFile) -> HybridSpec:
         _check_ranges(g, arch, full_attention_interval=interval)
         recurrent = [(i + 1) % interval != 0 for i in range(n_layer_all)]
     if not isinstance(recurrent, list) or len(recurrent) != n_layer_all:
-        raise bad("attention.recurrent_layers", f"must be a list of {n_layer_all} flags, got {recurrent!r}")
+        raise bad("attention.recurrent_layers", f"must be a list of {n_layer_all} flags, got {shown(recurrent)}")
     recurrent = tuple(bool(r) for r in recurrent[:n_layer])
     attn = [i for i, r in enumerate(recurrent) if not r] or [0]
 
@@ -335,10 +335,10 @@ def hybrid_spec_from_gguf(g: GGUFFile) -> HybridSpec:
         raise bad("attention.head_count_kv", f"{n_head_kv} does not divide head_count {n_head}")
     sections = key("rope.dimension_sections")
     if not isinstance(sections, list) or len(sections) != 4 or not all(isinstance(x, int) for x in sections):
-        raise bad("rope.dimension_sections", f"must be 4 integers, got {sections!r}")
+        raise bad("rope.dimension_sections", f"must be 4 integers, got {shown(sections)}")
     scaling = key("rope.scaling.type", "none")
     if scaling != "none":
-        raise bad("rope.scaling.type", f"{scaling!r} is not supported")
+        raise bad("rope.scaling.type", f"{shown(scaling)} is not supported")
 
     every = range(n_layer)
     n_used = _number(g, f"{arch}.expert_used_count",
@@ -421,5 +421,5 @@ def _check_hybrid_shapes(g: GGUFFile, spec: HybridSpec) -> None:
     for name, shape in hybrid_tensor_shapes(g, spec).items():
         info = g.tensor_info(name)  # GGUFError "missing tensor 'name'"
         if info.shape != shape:
-            raise GGUFError(f"{g.path}: tensor {name!r} has shape {info.shape}, expected {shape} "
+            raise GGUFError(f"{g.path}: tensor {shown(name)} has shape {info.shape}, expected {shape} "
                             f"from the {spec.arch} metadata")

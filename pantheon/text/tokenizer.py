@@ -37,6 +37,7 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
+from pantheon.gguf.reader import shown
 from pantheon.text.pretokenizers import PRE_TOKENIZERS, PreTokenizerSpec
 from pantheon.text.token_bytes import byte_level_decode, parse_byte_token
 from pantheon.text.token_bytes import clean_spaces as clean_space_passes
@@ -104,7 +105,7 @@ class Tokenizer:
     def __init__(self, meta: Mapping[str, Any]):
         model = meta.get("tokenizer.ggml.model")
         if model not in ("gpt2", "llama"):
-            raise ValueError(f"unsupported tokenizer.ggml.model {model!r}: supported are 'gpt2' "
+            raise ValueError(f"unsupported tokenizer.ggml.model {shown(model)}: supported are 'gpt2' "
                              f"(byte-level BPE) and 'llama' (SentencePiece)")
         tokens = meta.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, (list, tuple)) or not tokens:
@@ -118,7 +119,7 @@ class Tokenizer:
         token_to_id: dict[str, int] = {}
         for i, t in enumerate(texts):
             if t in token_to_id:
-                raise ValueError(f"duplicate token in vocabulary: {t!r} has ids {token_to_id[t]} and {i}")
+                raise ValueError(f"duplicate token in vocabulary: {shown(t)} has ids {token_to_id[t]} and {i}")
             token_to_id[t] = i
         self._texts = texts
         self._token_to_id = token_to_id
@@ -147,7 +148,7 @@ class Tokenizer:
                 pre = "default"
             spec = PRE_TOKENIZERS.get(pre)
             if spec is None:
-                raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: "
+                raise ValueError(f"unsupported tokenizer.ggml.pre {shown(pre)} (supported: "
                                  f"{', '.join(sorted(PRE_TOKENIZERS))})")
             self.pre = pre
             self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", False))

@@ -11,37 +11,46 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from pathlib import Path
 
 from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
 
-from pantheon.config import ServeConfig
+from pantheon.config import ServeConfig, session_key
 from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backend, configure_jax
 from pantheon.engine.events import failure_message
 from pantheon.engine.pool import ModelPool, PoolError
-from pantheon.web.errors import ApiError, LimitedRequest, answer_unknown_routes, error_response
+from pantheon.web.errors import ApiError, answer_unknown_routes, error_response, request_class
 from pantheon.web.observe import note
 
 log = logging.getLogger("pantheon.web")
+# First path segments behind PANTHEON_ADMIN_TOKEN when it is set: /admin/* and /metrics (which
+# names the loaded models, their sessions and load failures).
+OPERATOR_ROUTES = frozenset({"admin", "metrics"})
 
 
 class ServerState:
     def __init__(self, config: ServeConfig):
         self.config = config
+        session_key()  # a malformed PANTHEON_SESSION_KEY stops the start, not the first restore
         self.pool = ModelPool()
         self.backend = compiled_backend()
         self.build = build_id()
         self.shutting_down = False
-        self.startup_errors: list[str] = []
+        self.load_errors: list[dict] = []  # start-up loads that failed: {"model", "path", "error"}
         self.admitting = 0  # chat requests past the shutdown check and not yet admitted by an engine
         self.fetching: list[str] = []  # served names whose file is still being fetched (the default model)
+        self.starting: list[str] = []  # configured names whose start-up load has not ended yet
         self.registration = None  # with --router: web/registration.Registration
         self.drained: dict | None = None  # what the router moved when this instance drained
+        self.on_all_failed = None  # `pantheon serve`: called when every start-up load failed (it exits)
 
     def loading(self) -> list[str]:
         """Served names being fetched or loaded: `GET /`'s `loading`; chat answers 503 + Retry-After meanwhile."""
         from pantheon.engine.pool import LOADING
 
-        names = list(self.fetching) + [e.config.name for e in self.pool.entries() if e.state == LOADING]
+        names = list(self.starting) + list(self.fetching) + [e.config.name for e in self.pool.entries()
+                                                              if e.state == LOADING]
         return list(dict.fromkeys(names))
 
     def idle(self) -> bool:
@@ -49,6 +58,15 @@ class ServerState:
         return self.admitting == 0 and not self.pool.any_busy()
 
     def resolve(self, model, session_id=None):
+        """The engine for a request's `model`. A model named while it is still loading gets 503
+        model_loading (never another model's answer); one whose start-up load failed, 404 with why."""
+        if isinstance(model, str) and model not in self.pool.names():
+            if model in self.loading():
+                raise ApiError(503, "model_loading", f"model {model!r} is still loading; retry shortly",
+                               {"Retry-After": "5"})
+            failed = next((f for f in self.load_errors if f["model"] == model), None)
+            if failed is not None:
+                raise ApiError(404, "model_not_found", f"model {model!r} failed to load: {failed['error']}")
         try:
             return self.pool.resolve(model, session_id)
         except PoolError as e:
@@ -56,6 +74,15 @@ class ServerState:
                 raise ApiError(503, e.type, "no models loaded (a model is still loading; retry shortly)",
                                {"Retry-After": "5"}) from None
             raise ApiError(e.status, e.type, e.message) from None
+
+    def body_limit(self, path: str) -> int:
+        """The request body limit for `path`: PANTHEON_MAX_BODY_BYTES, but a session restore may be
+        as large as the largest blob a loaded model can produce, in base64, with its tokens."""
+        if path != "/session/restore":
+            return self.config.max_body_bytes
+        from pantheon.web.session_routes import restore_body_limit
+
+        return max([restore_body_limit(e.engine) for e in self.pool.ready()] + [self.config.max_body_bytes])
 
     def default_prefill_rate(self) -> float:
         from pantheon.engine.engine import DEFAULT_PREFILL_TOK_S
@@ -67,24 +94,41 @@ class ServerState:
             raise ApiError(503, "server_shutting_down", "server is draining for shutdown", {"Retry-After": "1"})
 
     def load_startup_models(self) -> None:
-        from pantheon.default_model import SERVED_NAME, default_model_path
+        from pantheon.default_model import default_model_path
 
-        models = self.config.models or ((None, None),)
-        for path, name in models:
+        for path, name in self.startup_models():
             try:
                 if path is None:
-                    name = name or SERVED_NAME
                     self.fetching.append(name)
                     try:
                         path = str(default_model_path())
                     finally:
                         self.fetching.remove(name)
                 self.pool.load(self.config.model_config(path, name))
-                log.info("loaded %s", name or path)
-            except Exception as e:  # noqa: BLE001 - the server stays up and reports no_models_loaded
+                log.info("loaded %s", name)
+            except Exception as e:  # noqa: BLE001 - reported by GET / and /v1/models (`pantheon serve` exits)
                 msg = getattr(e, "message", str(e))
                 log.error("could not load %s: %s", path, msg)
-                self.startup_errors.append(msg)
+                self.load_errors.append({"model": name, "path": path, "error": msg})
+            finally:
+                if name in self.starting:
+                    self.starting.remove(name)
+        if not self.pool.ready() and self.load_errors and self.on_all_failed is not None:
+            self.on_all_failed()
+
+    def startup_models(self) -> list[tuple[str | None, str]]:
+        """(path, served name) of the configured models; path None: the embedded default."""
+        from pantheon.default_model import SERVED_NAME
+
+        return [(path, name or (Path(path).name.removesuffix(".gguf") if path else SERVED_NAME))
+                for path, name in self.config.models or ((None, None),)]
+
+    def health_status(self) -> str:
+        """GET /'s `status`: "ok", or "failed" when every configured model failed to load and none is
+        loaded or loading (the server answers nothing but errors until one is loaded)."""
+        if self.load_errors and not self.pool.entries() and not self.loading():
+            return "failed"
+        return "ok"
 
 
 def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Quart:
@@ -101,16 +145,19 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     configure_access_log(state.config.access_log)
     app.asgi_app = AccessLog(app.asgi_app, state.config.access_log, state.metrics)
 
-    app.request_class = LimitedRequest
+    app.request_class = request_class(state.body_limit)
     app.config["MAX_CONTENT_LENGTH"] = state.config.max_body_bytes
 
     @app.before_serving
     async def start_loading():
+        from pantheon.web import protocol_errors
         from pantheon.web.serve import install_drain
 
         install_drain(state)
+        protocol_errors.install()
         configure_jax()
         if load_models:
+            state.starting = [name for _, name in state.startup_models()]  # loading() from the first request on
             app.add_background_task(asyncio.to_thread, state.load_startup_models)
         if state.config.router:
             from pantheon.web.registration import Registration
@@ -142,7 +189,7 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         paths = (request.path, request.url_rule.rule if request.url_rule else "")
         if paths[1] == dashboard.PATH:  # a static page without data: its script sends the token
             return None
-        if state.config.admin_token and any(p.lstrip("/").split("/", 1)[0] == "admin" for p in paths):
+        if state.config.admin_token and any(p.lstrip("/").split("/", 1)[0] in OPERATOR_ROUTES for p in paths):
             if not admin_authorized(request.headers.get("Authorization"), state.config.admin_token):
                 return error_response(401, "unauthorized", "this route needs Authorization: Bearer <admin token> "
                                                            "(PANTHEON_ADMIN_TOKEN)", {"WWW-Authenticate": "Bearer"})
@@ -158,8 +205,13 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     async def health():
         import jax
 
-        return {"service": "pantheon", "status": "ok", "backend": state.backend, "build": state.build,
-                "accelerator": accelerator_in_use(), "dies_visible": len(jax.devices()), "loading": state.loading()}
+        body = {"service": "pantheon", "status": state.health_status(), "backend": state.backend,
+                "build": state.build, "accelerator": accelerator_in_use(), "dies_visible": len(jax.devices()),
+                "loading": state.loading(),
+                "compiling": [e.config.name for e in state.pool.ready() if e.engine.compiling]}
+        if state.load_errors:
+            body["load_errors"] = state.load_errors
+        return body
 
     @app.errorhandler(ApiError)
     async def api_error(e: ApiError):
@@ -173,9 +225,21 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
 
     @app.errorhandler(413)
     async def too_large(_):
-        limit = state.config.max_body_bytes
+        request.body.clear()  # what was buffered up to the limit goes now, not when a cycle is collected
+        limit = state.body_limit(request.path)
+        if request.path == "/session/restore":
+            return error_response(413, "request_too_large", f"request body exceeds {limit} bytes, the largest "
+                                                            "session blob a loaded model can produce")
         return error_response(413, "request_too_large", f"request body exceeds {limit} bytes "
                                                         f"(PANTHEON_MAX_BODY_BYTES); shorten the conversation")
+
+    @app.errorhandler(HTTPException)
+    async def http_error(e: HTTPException):
+        # Quart's own refusals (a body timeout, a bad request it parsed) in the contract's shape,
+        # not the generic 500 below that an unregistered HTTPException would otherwise reach.
+        status = e.code or 500
+        type_ = {408: "request_timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+        return error_response(status, type_, e.description or e.name)
 
     @app.errorhandler(Exception)
     async def server_error(e: Exception):

@@ -2,24 +2,73 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Callable
 
 from quart import Request, Response, request
+from quart.wrappers.request import Body
 
-# Routes whose bodies are large by nature and exempt from the body limit: a session blob is the
-# slot's KV (tens to hundreds of MB, base64).
-UNLIMITED_BODY_PATHS = frozenset({"/session/restore"})
+# A body that sends nothing for this long is answered 408 request_timeout: a stalled upload holds
+# its worker no longer than hypercorn's keep-alive (header) timeout holds an idle connection.
+BODY_IDLE_S = 5.0
+# ... and one still incomplete after this long, however it trickles (slowloris); a body allowed
+# to be large (a session blob) gets a further second per MiB of its limit.
+BODY_TOTAL_S = 60.0
+
+
+class TimedBody(Body):
+    """Quart's request body, counting what has arrived so that a stall can be told from progress."""
+
+    def __init__(self, expected_content_length, max_content_length):
+        super().__init__(expected_content_length, max_content_length)
+        self.received = 0
+
+    def append(self, data: bytes) -> None:
+        self.received += len(data)
+        super().append(data)
 
 
 class LimitedRequest(Request):
-    """Quart's Request; the app's MAX_CONTENT_LENGTH (PANTHEON_MAX_BODY_BYTES) bounds every body
-    but UNLIMITED_BODY_PATHS'. Past the limit reading the body raises 413 (rendered as the
-    contract's JSON error by the app), and Quart stops buffering the rest."""
+    """Quart's Request with per-path body limits and timeouts. `limit_for(path)` (set per app by
+    `request_class`) bounds the body: past it reading raises 413 (rendered as the contract's JSON by
+    the app) and Quart stops buffering the rest; a Content-Length over it is refused unread. A body
+    that stalls for BODY_IDLE_S, or is still incomplete after its total time, raises 408."""
+
+    body_class = TimedBody
+    limit_for: Callable[[str], int | None] = staticmethod(lambda path: None)
 
     def __init__(self, method, scheme, path, *args, **kwargs):
-        if path in UNLIMITED_BODY_PATHS:
-            kwargs["max_content_length"] = None
+        limit = type(self).limit_for(path)
+        if limit is not None:
+            kwargs["max_content_length"] = limit
         super().__init__(method, scheme, path, *args, **kwargs)
+        self.body_total_s = BODY_TOTAL_S + (limit or 0) / (1 << 20)
+
+    async def get_data(self, cache=True, as_text=False, parse_form_data=False):
+        await self._whole_body()
+        return await super().get_data(cache, as_text, parse_form_data)
+
+    async def _whole_body(self) -> None:
+        body, loop = self.body, asyncio.get_running_loop()
+        deadline = loop.time() + self.body_total_s
+        complete = body._complete  # Quart's own completion event (set at the end or past the limit)
+        while not complete.is_set() and body._must_raise is None:  # (a Content-Length over the limit)
+            seen, left = body.received, deadline - loop.time()
+            try:
+                await asyncio.wait_for(complete.wait(), timeout=max(min(BODY_IDLE_S, left), 0))
+            except TimeoutError:
+                if body.received == seen or loop.time() >= deadline:
+                    stalled = body.received == seen
+                    raise ApiError(408, "request_timeout", (
+                        f"the request body stalled: nothing arrived for {BODY_IDLE_S:g} s" if stalled else
+                        f"the request body did not complete within {self.body_total_s:.0f} s")) from None
+
+
+def request_class(limit_for: Callable[[str], int | None]) -> type[LimitedRequest]:
+    """An app's request class: its body limit per path (`limit_for`, None: the app's
+    MAX_CONTENT_LENGTH)."""
+    return type("AppRequest", (LimitedRequest,), {"limit_for": staticmethod(limit_for)})
 
 
 class ApiError(Exception):
@@ -31,7 +80,12 @@ class ApiError(Exception):
         self.fields = fields  # extra members of the error object (kv_used, kv_cap)
 
 
+MAX_ERROR_MESSAGE = 2000  # no error body echoes more of a request or a file than this
+
+
 def error_body(type_: str, message: str, **extra) -> dict:
+    if len(message) > MAX_ERROR_MESSAGE:
+        message = message[:MAX_ERROR_MESSAGE - 40] + f"... ({len(message) - MAX_ERROR_MESSAGE + 40} chars cut)"
     return {"error": {"message": message, "type": type_, "code": None, **extra}}
 
 
@@ -92,7 +146,7 @@ def check_json(value) -> None:
 async def json_body():
     """The request body parsed as JSON; empty, malformed, nested too deeply or holding invalid
     Unicode -> 400 invalid_request_error."""
-    raw = await request.get_data()
+    raw = await request.get_data(cache=False)  # no second copy kept on the request (blobs are large)
     if not raw or not raw.strip():
         raise invalid("empty request body")
     try:

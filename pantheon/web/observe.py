@@ -12,11 +12,14 @@ decode, detok) goes to the `pantheon.trace` logger at DEBUG."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
 import time
 from datetime import datetime, timezone
+
+from pantheon.engine.memory import release_free_memory
 
 access_log = logging.getLogger("pantheon.access")
 trace_log = logging.getLogger("pantheon.trace")
@@ -122,6 +125,9 @@ def configure_access_log(fmt: str) -> None:
         access_log.propagate = False
 
 
+LARGE_BODY_BYTES = 16 << 20  # a request body past this (a session blob) returns its memory when it ends
+
+
 class AccessLog:
     """ASGI middleware: one record per HTTP request, logged and counted when the response ends."""
 
@@ -140,8 +146,16 @@ class AccessLog:
                 rec["status"] = message["status"]
             await send(message)
 
+        received = 0
+
+        async def receiving():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            return message
+
         try:
-            await self.app(scope, receive, sending)
+            await self.app(scope, receive if scope.get("method") in ("GET", "HEAD") else receiving, sending)
         except BaseException:
             rec.setdefault("status", 500)
             rec.setdefault("error", "disconnected" if rec.get("status") != 500 else "server_error")
@@ -149,6 +163,8 @@ class AccessLog:
         finally:
             rec["duration_s"] = time.perf_counter() - rec["_t0"]
             self.finish(rec)
+            if received > LARGE_BODY_BYTES:  # its buffers are freed now: give the pages back to the OS
+                asyncio.get_running_loop().run_in_executor(None, release_free_memory)
 
     def finish(self, rec: dict) -> None:
         if self.metrics:

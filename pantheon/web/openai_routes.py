@@ -32,7 +32,10 @@ async def list_models():
             continue
         seen.add(entry.config.name)
         data.append(public_row(entry))
-    return {"object": "list", "backend": state.backend, "build": state.build, "data": data}
+    body = {"object": "list", "backend": state.backend, "build": state.build, "data": data}
+    if state.load_errors:  # start-up loads that failed, and why (additive)
+        body["load_errors"] = state.load_errors
+    return body
 
 
 @bp.route("/v1/chat/completions", methods=["POST"])

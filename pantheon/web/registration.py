@@ -10,6 +10,8 @@ import logging
 
 import httpx
 
+from pantheon.config import ENV_SESSION_KEY, session_key_configured
+
 log = logging.getLogger("pantheon.web")
 
 
@@ -38,6 +40,10 @@ class Registration:
     def start(self) -> None:
         # httpx logs every request at INFO: a heartbeat every 2 s would bury the access log
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        if not session_key_configured():
+            log.warning("%s is not set: this instance seals session blobs with its own random key, so its "
+                        "sessions cannot move to another instance when it drains (give every instance "
+                        "behind the router the same key)", ENV_SESSION_KEY)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
+import signal
 import sys
 
 from pantheon.config import ServeConfig
@@ -55,23 +57,33 @@ def install_drain(state) -> None:
         import hypercorn.asyncio.run as hypercorn_run
     except ImportError:  # another ASGI server: the lifespan shutdown still drains (bounded)
         return
-    original = getattr(hypercorn_run, "raise_shutdown", None)
+
+    def wrap(original):
+        async def raise_shutdown(shutdown_event):
+            async def trigger_then_drain():
+                await shutdown_event()
+                await asyncio.gather(*(drain(s) for s in list(_draining)))
+
+            await original(trigger_then_drain)
+
+        return raise_shutdown
+
+    patch_once(hypercorn_run, "raise_shutdown", wrap, "on SIGTERM the turns in flight get only hypercorn's "
+                                                      "graceful_timeout")
+
+
+def patch_once(owner, name: str, wrap, without: str) -> None:
+    """Replace `owner.name` (a hypercorn internal) with `wrap(original)`, once per process; where this
+    hypercorn has no such attribute, warn what is lost (`without`) and leave it."""
+    original = getattr(owner, name, None)
     if original is None:
-        log.warning("this hypercorn has no asyncio.run.raise_shutdown: on SIGTERM the turns in flight "
-                    "get only hypercorn's graceful_timeout")
+        log.warning("this hypercorn has no %s.%s: %s", getattr(owner, "__name__", owner), name, without)
         return
-    if getattr(original, "pantheon_drains", False):
+    if getattr(original, "pantheon", False):
         return
-
-    async def raise_shutdown(shutdown_event):
-        async def trigger_then_drain():
-            await shutdown_event()
-            await asyncio.gather(*(drain(s) for s in list(_draining)))
-
-        await original(trigger_then_drain)
-
-    raise_shutdown.pantheon_drains = True
-    hypercorn_run.raise_shutdown = raise_shutdown
+    replacement = wrap(original)
+    replacement.pantheon = True
+    setattr(owner, name, replacement)
 
 
 def uninstall_drain(state) -> None:
@@ -162,13 +174,31 @@ def serve(args) -> int:
             return follow_process_zero(config)
     if warning := exposure_warning(config):
         print(warning, file=sys.stderr)
+    missing = [path for path, _ in config.models if not os.path.isfile(path)]
+    if missing:
+        print(f"pantheon: model file not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
     app = create_app(config)
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.keep_alive_timeout = 5
     hc.graceful_timeout = 5
 
-    # hypercorn's own SIGINT/SIGTERM handlers trigger the shutdown; install_drain (lifespan
-    # start-up) makes it drain first, exactly as under plain `hypercorn pantheon.web:app`.
-    asyncio.run(hypercorn_serve(app, hc))
+    async def run() -> None:
+        # SIGINT/SIGTERM, or every configured model failing to load, stop the server; install_drain
+        # (lifespan start-up) makes the stop drain first, exactly as under plain hypercorn.
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        app.pantheon.on_all_failed = lambda: loop.call_soon_threadsafe(stop.set)
+        await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
+
+    asyncio.run(run())
+    errors = app.pantheon.load_errors
+    if errors and not app.pantheon.pool.entries():
+        for failed in errors:
+            print(f"pantheon: could not load {failed['model']}: {failed['error']}", file=sys.stderr)
+        print("pantheon: no model could be loaded; stopping", file=sys.stderr)
+        return 1
     return 0

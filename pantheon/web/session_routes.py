@@ -53,6 +53,14 @@ def _session_id(body: dict, header: bool = True) -> str:
     return sid
 
 
+def restore_body_limit(engine) -> int:
+    """The largest /session/restore body `engine` can be sent: its largest blob (a whole window of
+    state) in base64, the window's token ids as JSON, and 64 KiB for the rest of the body."""
+    blob = engine.max_blob_bytes
+    token_chars = len(str(max(engine.spec.n_vocab - 1, 0))) + 2  # "123456, "
+    return 4 * -(-blob // 3) + engine.ctx * token_chars + (64 << 10)
+
+
 @bp.route("/admin/session/export", methods=["POST"])
 async def session_export():
     body = await _body()

@@ -224,6 +224,57 @@ def test_invalidate_forgets_a_slots_contents():
     assert turn(t, dev, "s", h + [4])[0] == 0
 
 
+# ---- restored KV is private to the id that restored it ----------------------------------------------
+def restored(t: SlotTable, sid: str, tokens: list[int]) -> str:
+    return t.restore(sid, tokens, {"k.0": np.array(tokens, np.int64)})
+
+
+def test_a_released_restored_conversation_seeds_no_anonymous_request_or_other_id():
+    t, dev = table(n_slots=2, max_sessions=2)
+    forged = [1, 2, 3, 4, 5, 6]
+    assert restored(t, "forger", forged) == "device"
+    assert turn(t, dev, None, forged + [7])[0] == 0  # anonymous, while the forger's session lives
+    t, dev = table(n_slots=2, max_sessions=2)
+    restored(t, "forger", forged)
+    assert turn(t, dev, "victim", forged + [7])[0] == 0  # another id
+    t.release("forger")
+    assert all(s.tokens != forged for s in t.slots)  # forgotten, not left as a reusable prefix
+    assert turn(t, dev, None, forged + [7])[0] == 0
+
+
+def test_the_restoring_id_resumes_its_restored_conversation_and_what_grew_from_it_stays_private():
+    t, dev = table(n_slots=2, max_sessions=2)
+    restored(t, "r", [1, 2, 3, 4])
+    cached, history = turn(t, dev, "r", [1, 2, 3, 4, 5])
+    assert cached == 4
+    cached, history2 = turn(t, dev, "r", history + [6])  # grown from restored KV: still private
+    assert cached == len(history)
+    t.release("r")
+    assert turn(t, dev, None, history2 + [8])[0] == 0
+
+
+def test_a_restored_conversation_moved_to_the_host_leaves_no_prefix_behind_and_comes_back_private():
+    t, dev = table(n_slots=1, max_sessions=1)
+    restored(t, "r", [1, 2, 3, 4])
+    turn(t, dev, "other", [9, 9, 9])  # one slot: "r" moves to the host tier
+    assert t.sessions["r"].host and t.sessions["r"].host[0].private
+    cached, _ = turn(t, dev, "r", [1, 2, 3, 4, 5])  # back from the host, for its own id
+    assert cached == 4 and t.slots[0].private
+    t.release("r")
+    assert turn(t, dev, None, [1, 2, 3, 4, 5, 6])[0] == 0
+
+
+def test_a_restore_parked_on_the_host_is_private_and_a_fresh_prefill_clears_the_mark():
+    t, dev = table(n_slots=1, max_sessions=2)
+    t.acquire("busy", [5, 5])
+    assert restored(t, "r", [1, 2, 3]) == "host"
+    assert t.sessions["r"].host[0].private
+    t.release("busy")
+    t.slots[0].busy = False
+    cached, _ = turn(t, dev, None, [7, 7, 7])  # overwritten from position 0: an ordinary prefix now
+    assert cached == 0 and not t.slots[0].private
+
+
 # ---- through a real engine: the runner's export_slot / import_slot as spill / fill ------------------
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
 def one_slot_engine(request, tmp_path_factory):

@@ -286,3 +286,32 @@ def test_pool_load_refuses_with_load_failed(tiny, tmp_path):
         assert info.value.type == "load_failed" and info.value.status == 500
         assert "\n" not in info.value.message and words[0] in info.value.message, info.value.message
     assert pool.entries() == []
+
+
+# ---- no message echoes the file back (issue 26: a 60 MB error body from a corrupt name length) -------
+@pytest.mark.parametrize("length", [64, 5000, 60_000_000])
+def test_a_corrupt_tensor_name_length_is_refused_before_it_is_read(tiny, tmp_path, length):
+    data = tiny.read_bytes()
+    name = "blk.0.attn_k.weight"
+    pos = data.find(struct.pack("<Q", len(name)) + name.encode())
+    path = tmp_path / "name.gguf"
+    path.write_bytes(_patch(data, pos, "<Q", length))
+    with pytest.raises(GGUFError) as info:
+        GGUFFile(path)
+    msg = str(info.value)
+    assert f"tensor name at offset {pos} is {length} bytes long (at most 63)" in msg, msg
+    assert len(msg) < len(str(path)) + 120
+
+
+def test_no_refusal_quotes_more_than_a_few_hundred_bytes_of_the_file(tiny, tmp_path):
+    tokens = list(tiny_vocab()[0])
+    tokens[10] = tokens[11] = "x" * 100_000  # a duplicate token 100 KB long
+    path = write_tiny_llama(tmp_path / "dup.gguf", extra_metadata={"tokenizer.ggml.tokens": tokens}, **TINY)
+    with pytest.raises(GGUFError) as info:
+        _refuse(path)
+    msg = str(info.value)
+    assert "duplicate token in vocabulary" in msg and len(msg) <= 480, len(msg)
+    long_arch = write_tiny_llama(tmp_path / "arch.gguf", extra_metadata={"general.architecture": "a" * 50_000}, **TINY)
+    with pytest.raises(GGUFError) as info:
+        _refuse(long_arch)
+    assert "unsupported architecture" in str(info.value) and len(str(info.value)) <= 480

@@ -200,23 +200,26 @@ def test_q3_k_m_through_the_grouped_q3k_kernel_matches_llamacpp(ref, qwen35moe_q
     """llama.cpp's stock Q3_K_M file (Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q4_0 matrices) with `llamacpp`
     numerics: its Q3_K expert gate/up stay planes for the grouped Q3_K kernel (integer mode), the
     Q4_K downs and every other quantized matrix are IntBlocks (ggml's integer arithmetic), silu is
-    ggml's x / (1 + exp(-x)). Measured against llama.cpp's one-call runs: s5 3.8e-6 and s33 4.8e-6
-    at every position; s70 equal to ~1e-5 up to a first 8-bit rounding flip at position 52, then
-    max |Δ log-prob| 0.083 (4 positions over 0.05). llama.cpp's own one-token-per-call run of s33
-    parts from its one-call run at position 8 (0.096 at 7 positions): ours is that far from it.
-    With jax.nn.silu s33 flipped at position 19; the rounded-f32 products used before were 0.46
-    off on s70 from position 10. s130 (not stored here) is equal up to position 44."""
+    ggml's x / (1 + exp(-x)).
+
+    An 8-bit activation rounding flips when an f32 sum before it (XLA's reductions: rms_norm, the
+    attention, the delta rule) lands one ulp elsewhere, and where that happens moves with the vector
+    width XLA generates for the CPU at hand. So s5 is held to the F32 file's tolerance, and s33/s70
+    to a flip allowance: top-1 where decided, top-10, and max |Δ log-prob| over llama.cpp's top 10
+    <= 0.15. Measured against llama.cpp's one-call runs (max |Δ logit| / max |Δ log-prob|):
+      AMD EPYC, AVX2:                   s5 3.8e-6, s33 4.8e-6, s70 0.083 (a first flip at position 52)
+      AMD EPYC, AVX-512 + VNNI/BF16:    s5 <= 1e-4, s33 4.8e-6, s70 4.8e-6 (no flip)
+      Intel Xeon, AVX-512 + VNNI/FP16:  s5 <= 1e-4, s33 0.108 in logits (a flip; the issue-26 report)
+    Against llama.cpp's one-token-per-call run of s33 (which parts from its own one-call run at
+    position 8, 0.096 at 7 positions) ours is 0.15 in logits, 0.096 in log-probs (AMD). With jax.nn.silu s33
+    flipped at position 19; the rounded-f32 products used before were 0.46 off on s70 from position 10."""
     got, params = _llamacpp_run(qwen35moe_q3_k_m_gguf, ref)
     w = params["layers"][0]
     assert isinstance(w["exp_gate"], Q3KPlanes) and isinstance(w["exp_up"], Q3KPlanes)
     assert isinstance(w["exp_down"], IntBlocks) and isinstance(params["output"], IntBlocks)
-    for name in ("s5", "s33"):
-        assert max_err(got[name], ref["logits"](f"q3_k_m_{name}")) <= TOL, name  # the F32 file's tolerance
-    for name, run in (("s70", "q3_k_m_s70"), ("s33", "q3_k_m_s33_incremental")):
+    assert max_err(got["s5"], ref["logits"]("q3_k_m_s5")) <= TOL  # the F32 file's tolerance
+    for name, run in (("s33", "q3_k_m_s33"), ("s70", "q3_k_m_s70"), ("s33", "q3_k_m_s33_incremental")):
         ours, want = got[name], ref["logits"](run)
-        off = np.abs(ours.astype(np.float64) - want).max(-1) > TOL
-        if run == "q3_k_m_s70":  # exact until a first flip
-            assert off.argmax() >= 32 if off.any() else True, off.argmax()
         ours, want = _log_softmax(ours), _log_softmax(want)
         top10 = np.argsort(-want, -1)[:, :10]
         dlp = np.abs(np.take_along_axis(ours, top10, -1) - np.take_along_axis(want, top10, -1)).max(-1)

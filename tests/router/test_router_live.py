@@ -110,8 +110,10 @@ def pair(tmp_path_factory):
     path = write_tiny_llama(tmp_path_factory.mktemp("drain") / "tiny.gguf",
                             extra_metadata={"llama.context_length": 4096})
     router = RouterProcess(["--instance-ttl", "30"], wait_models=0)
+    # the instances share one session key: a blob one seals, the other accepts (PANTHEON_SESSION_KEY)
+    key = {"PANTHEON_SESSION_KEY": "drain-test-" + "0123456789abcdef" * 2}
     serves = [ServerProcess(["--model", str(path), "--name", "tiny", "--ctx-cap", "1024", "--max-sessions", "2",
-                             "--router", router.url]) for _ in range(2)]
+                             "--router", router.url], env=key) for _ in range(2)]
     yield router, serves
     for s in serves:
         s.stop()

@@ -58,7 +58,8 @@ BEARER = {"Authorization": f"Bearer {TOKEN}"}
                                               ("POST", "/admin/models/unload", {"name": "tiny"}),
                                               ("POST", "/admin/models/load", {"path": "x.gguf"}),
                                               ("POST", "/admin/session/export", {"session_id": "s"}),
-                                              ("GET", "/admin/nope", None)])
+                                              ("GET", "/admin/nope", None), ("GET", "/metrics", None),
+                                              ("GET", "//metrics", None)])
 def test_admin_routes_refuse_a_missing_or_wrong_token(app, headers, method, path, body):
     status, err, hdrs = request(app, method, path, body, headers)
     assert status == 401, err
@@ -170,3 +171,17 @@ def test_serve_warns_when_listening_beyond_loopback_without_a_token(monkeypatch,
     assert (warning is not None) == warns
     if warns:
         assert "admin token" in warning and "\n" not in warning
+
+
+def test_metrics_answer_the_admin_token_and_stay_open_without_one(app, models):
+    async def go(client, headers):
+        r = await client.get("/metrics", headers=headers)
+        return r.status_code, (await r.get_data()).decode()
+
+    status, text = app.run(go(app.client, BEARER))
+    assert status == 200 and "pantheon_requests" in text
+    open_app = InProcessApp([(str(models["tiny"]), "tiny")])
+    try:
+        assert open_app.run(go(open_app.client, {}))[0] == 200
+    finally:
+        open_app.close()

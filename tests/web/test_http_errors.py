@@ -227,3 +227,55 @@ def test_session_estimate_arithmetic_and_errors(http):
     check_error(http.get("/session/estimate", params={"tokens": 0}), 400, "invalid_request_error")
 
 
+
+
+# ---- requests hypercorn refuses before the app sees them get the contract's body too (issue 26) --------
+RAW = {  # name -> (request bytes, status)
+    "bad request line": (b"GARBAGE\r\n\r\n", 400),
+    "HTTP/0.9": (b"GET /\r\n\r\n", 400),
+    "missing Host": (b"GET / HTTP/1.1\r\n\r\n", 400),
+    "bad Content-Length": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+    "two Content-Lengths": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                            b"Content-Length: 6\r\n\r\n", 400),
+    "bad chunk size": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       b"ZZ\r\nabc\r\n", 400),
+    "huge headers": (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n", 431),
+    "NUL in the path": (b"GET /a\x00b HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "space before a colon": (b"GET / HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+    "unknown Transfer-Encoding": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+                                  501),
+}
+
+
+def _raw(port: int, data: bytes, timeout: float = 20) -> tuple[int, dict, bytes]:
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])}
+    return int(head.split(b" ", 2)[1]), headers, json.loads(body)
+
+
+@pytest.mark.parametrize("case", list(RAW))
+def test_a_malformed_request_gets_the_contract_error_body_and_headers(smol_server, case):
+    data, want = RAW[case]
+    status, headers, body = _raw(smol_server.port, data)
+    assert status == want
+    assert headers[b"access-control-allow-origin"] == b"*" and headers[b"connection"] == b"close"
+    assert headers[b"content-type"] == b"application/json"
+    assert set(body) == {"error"} and body["error"]["code"] is None and body["error"]["message"]
+    assert body["error"]["type"] == ("request_too_large" if want == 431 else "invalid_request_error")
+
+
+def test_a_stalled_body_gets_408_from_the_real_server(smol_server):
+    t0 = time.monotonic()
+    status, headers, body = _raw(smol_server.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    assert status == 408 and body["error"]["type"] == "request_timeout"
+    assert headers[b"access-control-allow-origin"] == b"*"
+    assert time.monotonic() - t0 < 15

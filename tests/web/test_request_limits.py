@@ -67,8 +67,8 @@ def test_a_body_over_the_limit_gets_413_as_the_contract_json_error(small_limit_a
     assert status == 200 and body["choices"][0]["finish_reason"]
 
 
-def test_session_restore_bodies_are_exempt_from_the_limit(small_limit_app):
-    """A session blob is the slot's KV: far past any prompt limit by nature."""
+def test_session_restore_bodies_get_the_blob_limit_not_the_prompt_limit(small_limit_app):
+    """A session blob is the slot's KV: bounded by the largest blob, not by PANTHEON_MAX_BODY_BYTES."""
     status, body, _ = small_limit_app.post("/session/restore", {"session_id": "s", "blob": "A" * 200_000,
                                                                 "tokens": [1, 2, 3]})
     assert status != 413, body
@@ -163,3 +163,43 @@ def test_planning_runs_off_the_event_loop(app):
         del engine.encode_prompt
     assert status == 200 and took >= 1.5
     assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+
+
+# ---- bodies that stall or trickle get 408 request_timeout, never a 500 (issue 26) ---------------------
+def _slow_post(app, chunks: list[bytes], gap_s: float) -> tuple[int, dict, float]:
+    """POST chunks `gap_s` apart to the chat route, never completing the body."""
+    async def go():
+        t0 = asyncio.get_running_loop().time()
+        async with app.client.request("/v1/chat/completions", method="POST",
+                                      headers={"Content-Type": "application/json", "Content-Length": "1000"}) as conn:
+            for chunk in chunks:
+                await conn.send(chunk)
+                await asyncio.sleep(gap_s)
+            while conn.status_code is None:
+                await asyncio.sleep(0.05)
+            response = await conn.as_response()
+            return response.status_code, json.loads(await response.get_data()), asyncio.get_running_loop().time() - t0
+
+    return app.run(go(), timeout=60)
+
+
+def test_a_stalled_body_gets_408_request_timeout_after_the_idle_limit(app, monkeypatch):
+    from pantheon.web import errors
+
+    monkeypatch.setattr(errors, "BODY_IDLE_S", 0.5)
+    status, body, took = _slow_post(app, [b'{"messages": ['], 0.0)
+    assert status == 408 and body["error"]["type"] == "request_timeout", body
+    assert "nothing arrived for 0.5 s" in body["error"]["message"]
+    assert took < 5
+
+
+def test_a_trickling_body_gets_408_after_the_total_limit(small_limit_app, monkeypatch):
+    """The total is BODY_TOTAL_S plus a second per MiB of the body limit (64 KiB here)."""
+    from pantheon.web import errors
+
+    monkeypatch.setattr(errors, "BODY_IDLE_S", 0.5)
+    monkeypatch.setattr(errors, "BODY_TOTAL_S", 1.5)  # read when the request is made
+    status, body, took = _slow_post(small_limit_app, [b" "] * 40, 0.1)  # a byte every 0.1 s: never idle 0.5 s
+    assert status == 408 and body["error"]["type"] == "request_timeout", body
+    assert "did not complete within" in body["error"]["message"]
+    assert took < 10

@@ -48,25 +48,39 @@ class ToolSpec:
         return {"type": "function", "function": fn}
 
 
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (for messages: "null", not "NoneType")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, Mapping) else "a value"
+
+
 def normalize_tools(tools: Iterable[Any] | None) -> list[ToolSpec]:
     """OpenAI `tools` (`{"type": "function", "function": {...}}`, or the bare function object) ->
     ToolSpecs. Entries of another type are skipped; a function without a name raises."""
     out: list[ToolSpec] = []
     seen: set[str] = set()
-    for t in tools or ():
+    for i, t in enumerate(tools or ()):
         if isinstance(t, ToolSpec):
             spec = t
         else:
             if not isinstance(t, Mapping):
-                raise ToolSpecError(f"tool entries must be objects, got {type(t).__name__}")
+                raise ToolSpecError(f"'tools[{i}]' must be an object such as "
+                                    '{"type": "function", "function": {"name": ...}}, got ' + json_kind(t))
             if t.get("type", "function") != "function":
                 continue
             fn = t.get("function", t)
             if not isinstance(fn, Mapping):
-                raise ToolSpecError("tool 'function' must be an object")
+                raise ToolSpecError(f"'tools[{i}].function' must be an object, got {json_kind(fn)}")
             name = fn.get("name")
             if not isinstance(name, str) or not name:
-                raise ToolSpecError("every tool function needs a non-empty string 'name'")
+                raise ToolSpecError(f"'tools[{i}].function.name' must be a non-empty string")
             params = fn.get("parameters")
             if params is None:
                 params = {"type": "object", "properties": {}}

@@ -33,8 +33,19 @@ def test_normalize_tools():
     assert [s.name for s in specs] == ["get_weather", "bare"]
     assert specs[0].required == ["location", "days"]
     assert specs[1].parameters == {"type": "object", "properties": {}}
-    with pytest.raises(ToolSpecError):
+    with pytest.raises(ToolSpecError, match=r"'tools\[0\].function.name' must be a non-empty string"):
         normalize_tools([{"type": "function", "function": {"description": "no name"}}])
+
+
+@pytest.mark.parametrize("tools,words", [
+    ([WEATHER, None], "'tools[1]' must be an object such as {\"type\": \"function\", \"function\": {\"name\": ...}}, got null"),
+    (["x"], "'tools[0]' must be an object such as {\"type\": \"function\", \"function\": {\"name\": ...}}, got a string"),
+    ([{"type": "function", "function": [1]}], "'tools[0].function' must be an object, got an array"),
+])
+def test_malformed_tools_are_refused_in_json_words_naming_the_entry(tools, words):
+    with pytest.raises(ToolSpecError) as info:
+        normalize_tools(tools)
+    assert str(info.value) == words and "NoneType" not in str(info.value)
 
 
 @pytest.mark.parametrize("dialect", ["qwen_xml", "minicpm_xml", "json"])
