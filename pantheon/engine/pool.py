@@ -21,7 +21,7 @@ from pantheon.gguf.reader import MAX_MESSAGE, GGUFError, clip, open_gguf
 from pantheon.model.dtypes import compute_dtype, itemsize
 from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
 from pantheon.native import build as native_build
-from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
+from pantheon.native.qmatmul import K_TYPES, decode_bytes, supported as qmatmul_supported
 
 log = logging.getLogger(__name__)
 LOADING, READY, UNLOADING, FAILED = "loading", "ready", "unloading", "failed"
@@ -46,7 +46,7 @@ class ModelEntry:
 Q3K_PLANE_BYTES = 114 / 110
 
 
-def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
+def estimate_device_bytes(path: str, ctx: int, n_slots: int, numerics: str = "exact") -> int:
     """The bytes the model in `path` will occupy on its device(s) (`estimate_bytes`), in the
     compute dtype of this backend (model/dtypes.py: bf16 on a GPU)."""
     import jax
@@ -63,28 +63,30 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int) -> int:
     head_dim = meta("attention.key_length", meta("embedding_length", 0) // n_head)
     tensors = {name: (t.shape, t.ggml_type, t.nbytes) for name, t in g.tensors.items()}
     return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots,
-                          itemsize(compute_dtype(jax.default_backend())))
+                          itemsize(compute_dtype(jax.default_backend())), numerics)
 
 
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
-                   n_slots: int, itemsize: int = 4) -> int:
+                   n_slots: int, itemsize: int = 4, numerics: str = "exact") -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
     routed experts whose role stays Q3_K stay in blocks (qwen35moe.q3k_expert_roles: Q3KPlanes), every
     other matrix is dequantized to the compute dtype (`itemsize` bytes; the few kept f32 are
-    counted at it too: the router and conv taps are <0.1 % of a model), 1-D tensors stay f32; an
-    f32 dense model's decode also holds the quant blocks the native kernel reads
-    (weights.decode_matrices); plus KV in the compute dtype for n_slots + the scratch slot (every
-    layer counted, an upper bound for the hybrid's attention-only KV)."""
+    counted at it too: the router and conv taps are <0.1 % of a model), 1-D tensors stay f32; but
+    an f32 dense model on the CPU with the native kernel keeps the matrices the kernel reads in
+    their blocks only (weights._load_resident; K-quants not with llamacpp numerics); plus KV in the
+    compute dtype for n_slots + the scratch slot (every layer counted, an upper bound for the
+    hybrid's attention-only KV)."""
     q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items() if expert_role(name))
+    resident = arch != "qwen35moe" and itemsize == 4 and native_build.available()
     weights = 0
     for name, (shape, kind, nbytes) in tensors.items():
         if expert_role(name) in q3k:
             weights += int(nbytes * Q3K_PLANE_BYTES)
+        elif resident and len(shape) == 2 and qmatmul_supported(kind) and not (
+                numerics == "llamacpp" and int(kind) in K_TYPES):
+            weights += decode_bytes(kind, nbytes)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)
-    if arch != "qwen35moe" and itemsize == 4 and native_build.available():
-        weights += sum(decode_bytes(kind, nbytes) for shape, kind, nbytes in tensors.values()
-                       if len(shape) == 2 and qmatmul_supported(kind))
     return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * itemsize
 
 
@@ -231,7 +233,7 @@ class ModelPool:
                                                     "another model")
         try:
             need = estimate_device_bytes(config.path, config.ctx_cap,
-                                         max(config.max_sessions, config.max_concurrent_configured))
+                                         max(config.max_sessions, config.max_concurrent_configured), config.numerics)
         except GGUFError as e:
             raise PoolError(500, "load_failed", str(e)) from None
         except (TypeError, ValueError, ArithmeticError):  # odd metadata: the load's spec check names it

@@ -29,13 +29,14 @@ from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
 from pantheon.model.step import full_step
 from pantheon.model.weights import decode_view, prefill_view
+from pantheon.native.qmatmul import KERNEL_MAX_ROWS
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 # Prefill is compute-bound: padding costs its full share (SmolLM2 on 2 cores: 16 tokens 54-66 ms,
 # 32: 82-105, 48: 104-109, 64: 128), so short prompts get finer buckets. Each costs one compile.
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512)
 MIN_KV_BUCKET = 128
-QUANT_PREFILL_ROWS = 16  # prefill chunks of at most this many tokens read the quant blocks (runner._params_for)
+QUANT_PREFILL_ROWS = KERNEL_MAX_ROWS  # prefill chunks of at most this many tokens read the quant blocks
 
 
 FULL_STEP_ENV = "PANTHEON_FULL_STEP"

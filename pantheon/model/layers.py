@@ -4,12 +4,14 @@ G = H / K query heads per kv head, D head dim."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from pantheon.model.numerics import NONE, Q8_0, IntBlocks, int_linear, quantize_activations, silu
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
-from pantheon.native.qmatmul import QMatrix, qmatmul
+from pantheon.native.qmatmul import K_TYPES, KERNEL_MAX_ROWS, QMatrix, dequantize_native, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
 # implementation, beside its Pallas kernels (pantheon/pallas/attention.py).
 from pantheon.pallas.attention import attention_reference as gqa_attention  # noqa: F401
@@ -53,8 +55,15 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE)
     kernel; or IntBlocks, llama.cpp's integer arithmetic in jnp); x is first rounded per `scheme`
     (see numerics.py). A bf16 W takes bf16 operands and accumulates in f32 (model/dtypes.py); the
     result is f32 either way."""
-    if isinstance(w, QMatrix):  # the kernel rounds x itself (integer dot products)
-        return qmatmul(x, w, int8_activations=scheme == Q8_0)
+    if isinstance(w, QMatrix):
+        rows = math.prod(x.shape[:-1])
+        # K-quants against rounded activations (the kernel multiplies them with f32 only), and
+        # long exact prefill chunks (compute-bound: XLA's GEMM) dequantize this one matrix here.
+        if (w.qtype in K_TYPES and scheme != NONE) or (scheme == NONE and rows > KERNEL_MAX_ROWS):
+            x = quantize_activations(x, scheme)
+            dense = dequantize_native(w).T  # [in, out], as f32 weights are held
+            return jnp.einsum("...i,io->...o", x, dense, preferred_element_type=jnp.float32)
+        return qmatmul(x, w, int8_activations=scheme == Q8_0)  # the kernel rounds x itself (integer dots)
     if isinstance(w, IntBlocks):  # loaded for llamacpp numerics: rounds x itself
         return int_linear(x, w)
     x = quantize_activations(x, scheme)

@@ -1,13 +1,13 @@
 """GGUF tensors -> a params pytree of device arrays.
 
-CPU path: every matrix is dequantized to float32 at load, for prefill: XLA's f32 GEMM is the fastest
-compute-bound product there. Layer matrices are stored [in, out] (x @ W), which XLA:CPU's GEMV
-streams faster than x @ W^T; `params["layers"]` is a list with one dict per layer. Decode is
-bandwidth-bound, and no int8/bf16 formulation of XLA's streams faster than f32
-(research/jax_feasibility.md §4), so where the native kernel is built (pantheon/native/qmatmul.py)
-the matrices of Q4_0/Q4_1/Q8_0 types are also kept in blocks (4-bit values widened to bytes,
-qmatmul.unpack_nibbles), `params["decode"]`, and the decode programs and short prefill chunks read
-those (`decode_view`, runner._params_for)."""
+CPU path (f32, native kernel built): the matrices stay as the file holds them. Every matrix of a
+type the native kernel reads (pantheon/native/qmatmul.py: Q8_0, Q4_0/Q4_1 with their nibbles
+widened to bytes, and the K-quants Q2_K..Q6_K as they are) is a QMatrix of its blocks, the only
+copy: decode and short prefill chunks read the blocks in the kernel, longer prefill chunks
+dequantize one matrix at a time inside the program and run XLA's f32 GEMM (layers.linear). Other
+matrices (F32/F16/BF16, Q5_0/Q5_1, ...) are f32, stored [in, out] (x @ W), which XLA:CPU's GEMV
+streams faster than x @ W^T. `params["layers"]` is a list with one dict per layer. A GPU (bf16) or
+a mesh of dies: every matrix in the compute dtype (the quantized-weights work for those is open)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,13 @@ def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
 
-def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
+def load_blocks(g: GGUFFile, name: str, int8: bool = False) -> native.QMatrix | None:
     """A matrix [out, in] as quant blocks (host uint8 [out, row bytes]), where the native kernel
     reads its type (pantheon/native/qmatmul.py): 4-bit blocks with their nibbles unpacked to bytes
-    (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None."""
+    (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None. `int8`: for the
+    kernel's 8-bit-activation products (llamacpp numerics), which it has for 32-weight blocks only."""
     info = g.tensor_info(name)
-    if len(info.shape) != 2 or not native.supported(info.ggml_type):
+    if len(info.shape) != 2 or not native.supported(info.ggml_type) or (int8 and info.ggml_type in native.K_TYPES):
         return None
     blocks, qtype = native.unpack_nibbles(np.asarray(g.tensor_data(name)).reshape(info.shape[0], -1),
                                           int(info.ggml_type))
@@ -76,10 +77,11 @@ def _matrices(g: GGUFFile, spec: ModelSpec, i: int, load) -> dict:
     return t
 
 
-def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int) -> dict[str, np.ndarray]:
+def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True) -> dict[str, np.ndarray]:
+    """One layer's tensors as f32 numpy (without its matrices when `matrices` is False)."""
     p = f"blk.{i}."
     t = {"attn_norm": load_tensor(g, p + "attn_norm.weight"), "ffn_norm": load_tensor(g, p + "ffn_norm.weight"),
-         **_matrices(g, spec, i, load_tensor)}
+         **(_matrices(g, spec, i, load_tensor) if matrices else {})}
     if spec.qk_norm:
         t["q_norm"] = load_tensor(g, p + "attn_q_norm.weight")
         t["k_norm"] = load_tensor(g, p + "attn_k_norm.weight")
@@ -94,7 +96,12 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, nu
     a Device, or a Mesh — then layer matrices are split over its dies (see sharding.py). Arrays go
     to the device straight from host numpy (resharding a device array costs a compile). `numerics`
     is the Family interface's (qwen35moe loads IntBlocks for it); the dense family's products need
-    no other weights for it (native kernel, or rounded f32: see model/numerics.py)."""
+    no other weights for it (native kernel, or rounded f32: see model/numerics.py).
+
+    On the CPU in f32 with the native kernel built, every matrix of a type the kernel reads stays
+    in its quant blocks and no f32 copy of it exists, ever (`_load_resident`)."""
+    if not isinstance(device, Mesh) and dtype == jnp.float32 and native_build.available():
+        return _load_resident(g, spec, device, numerics)
     layers = [{k: (a.T if a.ndim == 2 else a) for k, a in _layer_tensors(g, spec, i).items()}
               for i in range(spec.n_layer)]
     if not isinstance(device, Mesh):  # a mesh splits q/k/v and gate/up by heads and columns: kept apart
@@ -109,10 +116,7 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, nu
         params["embed"] = table
     host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)
     if not isinstance(device, Mesh):
-        placed = jax.tree_util.tree_map(lambda a: jax.device_put(host(a), device), params)
-        if dtype == jnp.float32 and native_build.available():
-            placed["decode"] = jax.device_put(decode_matrices(g, spec, [set(w) for w in layers]), device)
-        return placed
+        return jax.tree_util.tree_map(lambda a: jax.device_put(host(a), device), params)
     check_divisible(spec, device.size)
     placed = lambda a, pspec: jax.device_put(host(a), NamedSharding(device, pspec))
     out = {k: placed(v, PartitionSpec()) for k, v in params.items() if k != "layers"}
@@ -128,51 +132,58 @@ FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 def fuse_projections(w: dict, numerics: Numerics) -> dict:
     """One layer's matrices with FUSED groups concatenated, where the group shares one activation
-    rounding scheme (llamacpp numerics rounds each input per weight type)."""
+    rounding scheme (llamacpp numerics rounds each input per weight type) and one form: f32 [in, out]
+    along the outputs, or QMatrix blocks of one type along their rows."""
     w = dict(w)
     for fused, parts in FUSED.items():
-        if len({numerics.scheme(p) for p in parts}) == 1:
+        got = [w.get(p) for p in parts]
+        if any(m is None for m in got) or len({numerics.scheme(p) for p in parts}) != 1:
+            continue
+        if all(isinstance(m, native.QMatrix) for m in got):
+            if len({(m.qtype, m.n_in) for m in got}) == 1:
+                w[fused] = native.QMatrix(np.concatenate([np.asarray(m.blocks) for m in got]), got[0].qtype, got[0].n_in)
+                for p in parts:
+                    del w[p]
+        elif not any(isinstance(m, native.QMatrix) for m in got):
             w[fused] = np.concatenate([w.pop(p) for p in parts], axis=1)
     return w
 
 
-def decode_matrices(g: GGUFFile, spec: ModelSpec, layer_keys: list[set[str]]) -> dict:
-    """The decode step's matrices in their quant blocks (native.QMatrix, host arrays): decode reads
-    every weight once per token, and the blocks are 4-6x fewer bytes than f32 (SmolLM2 Q4_1: 85 MB
-    against 538 MB). Only matrices the kernel reads; a fused group (FUSED) only where its parts
-    share one type. `layer_keys`: the keys of each loaded f32 layer (which groups were fused)."""
+def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | None) -> dict:
+    """load_params on the CPU with the native kernel: each matrix the kernel reads (its Q8_0,
+    4-bit and K-quant types; with llamacpp numerics not the K-quants, which it multiplies with f32
+    activations only) is a QMatrix of the file's blocks, read by the kernel for decode and short
+    prefill chunks and dequantized inside the program, one matrix at a time, for longer ones
+    (layers.linear). Other matrices are f32 [in, out]. Loaded and placed layer by layer, so the
+    host holds one layer's arrays at a time."""
+    int8 = numerics is not None and numerics.mode == "llamacpp"
+    fusing = numerics_for(g, spec)  # by the file's types, whatever the numerics mode
+    blocks_or_f32 = lambda g, name: load_blocks(g, name, int8) or load_tensor(g, name)  # noqa: E731
+    put = lambda tree: jax.device_put(tree, device)  # noqa: E731
     layers = []
-    for i, keys in enumerate(layer_keys):
-        raw = _matrices(g, spec, i, load_blocks)
-        q = {}
-        for key in keys:
-            parts = [raw.get(p) for p in FUSED.get(key, (key,))]
-            if all(m is not None for m in parts) and len({(m.qtype, m.n_in) for m in parts}) == 1:
-                q[key] = native.QMatrix(np.ascontiguousarray(np.concatenate([m.blocks for m in parts])),
-                                        parts[0].qtype, parts[0].n_in)
-        layers.append(q)
-    head = load_blocks(g, "token_embd.weight" if spec.tied_embeddings else "output.weight")
-    return {"layers": layers} if head is None else {"layers": layers, "head": head}
+    for i in range(spec.n_layer):
+        small = {k: a for k, a in _layer_tensors(g, spec, i, matrices=False).items()}
+        mats = {k: m if isinstance(m, native.QMatrix) else np.ascontiguousarray(m.T)
+                for k, m in _matrices(g, spec, i, blocks_or_f32).items()}
+        layers.append(put({**small, **fuse_projections(mats, fusing)}))
+    head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
+    head = load_blocks(g, head_name, int8)
+    params = {"head": put(head) if head is not None else put(np.ascontiguousarray(load_tensor(g, head_name).T)),
+              "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
+    if not spec.tied_embeddings:  # looked up by row: blocks where the kernel's types allow, else f32 [V, E]
+        table = load_blocks(g, "token_embd.weight")
+        params["embed"] = put(table if table is not None else load_tensor(g, "token_embd.weight"))
+    return params
 
 
 def prefill_view(params: dict) -> dict:
-    """The params the prefill programs of more than runner.QUANT_PREFILL_ROWS token rows read: the
-    f32 matrices (their products are compute-bound, where XLA's f32 GEMM is faster), without the
-    decode blocks."""
-    return {k: v for k, v in params.items() if k != "decode"}
+    """The params the prefill programs read (all of them: one copy of every matrix)."""
+    return params
 
 
 def decode_view(params: dict) -> dict:
-    """The params the decode programs read: the quantized matrices of params["decode"] in place
-    of their f32 copies, everything else shared with `prefill_view`."""
-    q = params.get("decode")
-    base = prefill_view(params)
-    if q is None:
-        return base
-    out = dict(base, layers=[dict(w, **qw) for w, qw in zip(base["layers"], q["layers"])])
-    if "head" in q:
-        out["head"] = q["head"]
-    return out
+    """The params the decode programs read (all of them: one copy of every matrix)."""
+    return params
 
 
 def params_nbytes(params) -> int:

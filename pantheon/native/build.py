@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 NATIVE_ENV = "PANTHEON_NATIVE"
 HERE = Path(__file__).parent
 SOURCES = ("qmatmul.cc", "attention.cc")
-HEADERS = ("common.h",)
+HEADERS = ("common.h", "kquants.h")
 # FFI target name -> exported handler symbol
-TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_attention_decode": "PantheonAttentionDecode"}
+TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_dequantize": "PantheonDequantize",
+           "pantheon_attention_decode": "PantheonAttentionDecode"}
 
 _lock = threading.Lock()
 _state: dict = {}

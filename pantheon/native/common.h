@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "Pantheon's native kernels are written for x86 AVX2 (with FMA and F16C); elsewhere the jnp paths run"
@@ -61,6 +62,22 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t threads, int64_t n, int6
   for (int64_t i = 1; i < threads && i < work->chunks; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+}
+
+// Output columns [n0, n1) for rows [0, M) in row tiles of `Max` (8 or 4), then 4, 2 and 1 rows:
+// tile(R, m0, n) with R a std::integral_constant, so each tile size is its own instantiation.
+// A tile reads each weight block once for its rows, and every tile runs the same arithmetic per
+// row, so a row's result never depends on M.
+template <int64_t Max, class Tile>
+inline void tiled_columns(int64_t M, int64_t n0, int64_t n1, Tile&& tile) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m0 = 0;
+    if constexpr (Max >= 8)
+      for (; m0 + 8 <= M; m0 += 8) tile(std::integral_constant<int64_t, 8>{}, m0, n);
+    for (; m0 + 4 <= M; m0 += 4) tile(std::integral_constant<int64_t, 4>{}, m0, n);
+    for (; m0 + 2 <= M; m0 += 2) tile(std::integral_constant<int64_t, 2>{}, m0, n);
+    for (; m0 < M; ++m0) tile(std::integral_constant<int64_t, 1>{}, m0, n);
+  }
 }
 
 inline int64_t pool_threads(ffi::ThreadPool& pool) { return pool.num_threads() > 0 ? pool.num_threads() : 1; }

@@ -17,6 +17,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "kquants.h"
 
 namespace pantheon {
 namespace {
@@ -84,21 +85,14 @@ inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* 
   for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + macc[r];
 }
 
-// Output columns [n0, n1) for all M rows, in row tiles of 8, 4, 2 and 1 (a tile dequantizes each
-// block once for its rows). Every tile runs the same arithmetic per row, so a row's result does not
-// depend on M.
+// Output columns [n0, n1) for all M rows (common.h's tiled_columns).
 template <int64_t t>
 void columns(const float* x, const float* xsum, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
              int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 32 * block_bytes(t);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = w + n * row_bytes;
-    int64_t m0 = 0;
-    for (; m0 + 8 <= M; m0 += 8) tile<t, 8>(x, xsum, wrow, y, N, K, m0, n);
-    for (; m0 + 4 <= M; m0 += 4) tile<t, 4>(x, xsum, wrow, y, N, K, m0, n);
-    for (; m0 + 2 <= M; m0 += 2) tile<t, 2>(x, xsum, wrow, y, N, K, m0, n);
-    for (; m0 < M; ++m0) tile<t, 1>(x, xsum, wrow, y, N, K, m0, n);
-  }
+  tiled_columns<8>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+    tile<t, decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);
+  });
 }
 
 // ---- 8-bit activations (llamacpp numerics) -------------------------------------------------
@@ -173,14 +167,9 @@ inline void tile8(const Q8Rows& a, const uint8_t* wrow, float* y, int64_t N, int
 template <int64_t t>
 void columns8(const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 32 * block_bytes(t);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = w + n * row_bytes;
-    int64_t m0 = 0;
-    for (; m0 + 8 <= M; m0 += 8) tile8<t, 8>(a, wrow, y, N, K, m0, n);
-    for (; m0 + 4 <= M; m0 += 4) tile8<t, 4>(a, wrow, y, N, K, m0, n);
-    for (; m0 + 2 <= M; m0 += 2) tile8<t, 2>(a, wrow, y, N, K, m0, n);
-    for (; m0 < M; ++m0) tile8<t, 1>(a, wrow, y, N, K, m0, n);
-  }
+  tiled_columns<8>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+    tile8<t, decltype(R)::value>(a, w + n * row_bytes, y, N, K, m0, n);
+  });
 }
 
 void columns8(int64_t t, const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
@@ -195,10 +184,34 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
   else columns<kQ8_0>(x, xsum, w, y, M, N, K, n0, n1);
 }
 
+// K-quant super-blocks, f32 activations only (kquants.h).
+ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
+                   ffi::ResultBuffer<ffi::F32>& y, int64_t qtype, int64_t int8_activations) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (int8_activations) return ffi::Error::InvalidArgument("qmatmul: K-quants take f32 activations only");
+  if (K % 256 != 0 || wd[1] != K / 256 * k_bytes(qtype)) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t threads = M * N * K >= (int64_t{1} << 16) ? pool_threads(pool) : 1;
+  const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
+  std::unique_ptr<float[]> xsum(new float[M * (K / 32) + 1]);  // the min terms' sums over 32 weights
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
+    float s = 0.f;
+    for (int k = 0; k < 32; ++k) s += xp[i * 32 + k];
+    xsum[i] = s;
+  }
+  const float* xs = xsum.get();
+  parallel_for(pool, threads, N, chunk, [&](int64_t n0, int64_t n1) { kcolumns(qtype, xp, xs, wp, yp, M, N, K, n0, n1); });
+  return ffi::Error::Success();
+}
+
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                    ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
+  if (is_k(qtype)) return KMatmul(pool, x, w, y, qtype, int8_activations);
   const int64_t M = xd[0], K = xd[1], N = wd[0], bb = block_bytes(qtype);
   if (bb == 0) return ffi::Error::InvalidArgument("qmatmul: unsupported quant type");
   if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
@@ -228,6 +241,62 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// ---- dequantization for long prefill chunks ------------------------------------------------
+// w[N, row bytes] -> f32 [N, K]: the values ggml's dequantize_row_* gives (and gguf/quants.py's
+// jnp reference, exactly: one multiply and one add or subtract per weight, nothing fused). A
+// prefill chunk of many rows is compute-bound: XLA's f32 GEMM runs on these, one matrix at a time.
+template <int64_t t>
+void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n1) {
+  if constexpr (is_k(t)) {
+    const int64_t row_bytes = K / 256 * k_bytes(t);
+    constexpr int per_sub = static_cast<int>(k_sub(t) / 8);
+    SuperBlock sb;
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t j = 0; j < K / 256; ++j) {
+        codes_k<t>(w + n * row_bytes + j * k_bytes(t), sb);
+        float* o = out + n * K + j * 256;
+        for (int v = 0; v < 32; ++v) {
+          const v8f c = (v8f)_mm256_cvtepi32_ps(
+              _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb.q + 8 * v))));
+          store8(o + 8 * v, c * (v8f{} + sb.scale[v / per_sub]) - (v8f{} + sb.min[v / per_sub]));
+        }
+      }
+  } else {
+    const int64_t row_bytes = K / 32 * block_bytes(t);
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t j = 0; j < K / 32; ++j) {
+        v8f q[4];
+        float d, m;
+        dequant<t>(w + n * row_bytes + j * block_bytes(t), q, d, m);
+        for (int i = 0; i < 4; ++i) store8(out + n * K + j * 32 + 8 * i, has_min(t) ? d * q[i] + m : d * q[i]);
+      }
+  }
+}
+
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out, int64_t qtype) {
+  const auto wd = w.dimensions(), od = out->dimensions();
+  if (wd.size() != 2 || od.size() != 2 || wd[0] != od[0]) return ffi::Error::InvalidArgument("dequantize: bad shapes");
+  const int64_t N = od[0], K = od[1];
+  const bool k = is_k(qtype);
+  const int64_t bytes = k ? k_bytes(qtype) : block_bytes(qtype), per = k ? 256 : 32;
+  if (bytes == 0 || K % per != 0 || wd[1] != K / per * bytes) return ffi::Error::InvalidArgument("dequantize: bad type");
+  const uint8_t* wp = w.typed_data();
+  float* op = out->typed_data();
+  const int64_t threads = N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
+  parallel_for(pool, threads, N, std::max<int64_t>(16, N / (4 * threads) + 1), [&](int64_t n0, int64_t n1) {
+    switch (qtype) {
+      case kQ8_0: dequant_rows<kQ8_0>(wp, op, K, n0, n1); break;
+      case kU4_1: dequant_rows<kU4_1>(wp, op, K, n0, n1); break;
+      case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1); break;
+      case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1); break;
+      case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1); break;
+      case kQ5_K: dequant_rows<kQ5_K>(wp, op, K, n0, n1); break;
+      default: dequant_rows<kQ6_K>(wp, op, K, n0, n1); break;
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pantheon
 
@@ -239,3 +308,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQMatmul, pantheon::QMatmul,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("int8_activations"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("qtype"));

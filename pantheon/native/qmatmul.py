@@ -26,12 +26,22 @@ from pantheon.gguf.quants import dequantize
 
 TARGET = "pantheon_qmatmul"
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids the kernel takes from a GGUF
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14  # K-quants: 256-weight super-blocks (kquants.h)
+K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+# A product of more rows than this (a prefill chunk) is compute-bound: the blocks are dequantized in
+# the program and XLA's f32 GEMM runs (layers.linear); up to it the kernel reads them (a 16-token
+# chunk of the default model: 71 -> 50 ms; at 32 tokens the f32 GEMM is ahead, 99 against 109 ms).
+KERNEL_MAX_ROWS = 16
 # Pantheon's own: Q4_1 with each nibble in a byte (d, m fp16, then 32 x u8), see `unpack_nibbles`
 U4_1 = 1003
 # type id -> bytes per 32-weight block
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, U4_1: 36}
-# the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles)
-KERNEL_LAYOUT = {Q4_0: Q8_0, Q4_1: U4_1, Q8_0: Q8_0}
+# K type id -> bytes per 256-weight super-block
+SUPER_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+# the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles). The K-quants are
+# read as the file holds them, with f32 activations only ("exact" numerics; `linear` rounds and
+# dequantizes for "llamacpp").
+KERNEL_LAYOUT = {Q4_0: Q8_0, Q4_1: U4_1, Q8_0: Q8_0, **{t: t for t in K_TYPES}}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -87,6 +97,8 @@ def unpack_nibbles(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, int]:
 def decode_bytes(ggml_type: int, nbytes: int) -> int:
     """Bytes a GGUF matrix of `nbytes` takes once loaded for the kernel (after unpack_nibbles)."""
     t = int(ggml_type)
+    if t in K_TYPES:
+        return nbytes
     return nbytes * BLOCK_BYTES[KERNEL_LAYOUT[t]] // BLOCK_BYTES[t]
 
 
@@ -100,11 +112,22 @@ def dequantize_blocks(blocks: jax.Array, qtype: int) -> jax.Array:
     return (d * b[..., 4:].astype(jnp.float32) + m).reshape(*blocks.shape[:-1], -1)
 
 
+def dequantize_native(w: QMatrix) -> jax.Array:
+    """W [n_out, n_in] f32 from its blocks, in the native kernel: the values `dequantize_blocks`
+    (the jnp reference) gives, bit for bit, ~10x faster than XLA runs that one (a long prefill
+    chunk dequantizes every matrix of the model once)."""
+    call = jax.ffi.ffi_call("pantheon_dequantize", jax.ShapeDtypeStruct((w.n_out, w.n_in), jnp.float32))
+    return call(w.blocks, qtype=np.int64(w.qtype))
+
+
 def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
     x rounded to Q8_0 blocks first (Q8_1 against U4_1), as ggml-cpu does."""
-    if w.qtype not in (Q8_0, U4_1):
-        raise ValueError(f"qmatmul reads Q8_0 and U4_1 blocks, not type {w.qtype}: load them through unpack_nibbles")
+    if w.qtype not in (Q8_0, U4_1) and w.qtype not in K_TYPES:
+        raise ValueError(f"qmatmul reads Q8_0, U4_1 and K-quant blocks, not type {w.qtype}: load them through "
+                         "unpack_nibbles")
+    if int8_activations and w.qtype in K_TYPES:
+        raise ValueError("qmatmul reads K-quants with f32 activations only")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.n_in).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n_out), jnp.float32))

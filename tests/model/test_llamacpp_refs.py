@@ -68,8 +68,8 @@ def model(name: str, tmp_path: Path):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == record["gguf_sha256"], "fixture changed: re-record"
     g = open_gguf(path)
     spec = spec_from_gguf(g)
-    mode = "exact" if kwargs["weight_type"] == Q.F32 else "llamacpp"
-    return record, kwargs["weight_type"].name, ModelRunner(spec, numerics_for(g, spec, mode), load_params(g, spec),
+    numerics = numerics_for(g, spec, "exact" if kwargs["weight_type"] == Q.F32 else "llamacpp")
+    return record, kwargs["weight_type"].name, ModelRunner(spec, numerics, load_params(g, spec, numerics=numerics),
                                                            n_slots=1, ctx=128)
 
 

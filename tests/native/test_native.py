@@ -12,6 +12,7 @@ from pantheon.gguf.quants import dequantize_np, quantize_np
 from pantheon.native import build
 from pantheon.native.attention import attention_decode
 from pantheon.native.qmatmul import U4_1, QMatrix, dequantize_blocks, embed_rows, qmatmul, qmatmul_reference, unpack_nibbles
+from pantheon.native.qmatmul import dequantize_native
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import cached_attention_blocked
 
@@ -33,11 +34,21 @@ def random_matrix(rng, n_out: int, n_in: int, qtype) -> tuple[QMatrix, np.ndarra
     return QMatrix(jnp.asarray(blocks), layout, n_in), dense
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # read as the file holds them (kquants.h)
+
+
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES, ids=lambda t: t.name)
 def test_qmatmul_matches_the_reference(qtype):
+    """f32 activations against blocks dequantized in the kernel: the GGUF values (ggml's
+    dequantize_row_*, transcribed in gguf/quants.py), multiplied in f32. K-quant super-blocks are
+    read as the file holds them, not repacked."""
     rng = np.random.default_rng()
-    for n_out, n_in, m in ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)):
+    shapes = (((64, 256, 1), (300, 768, 3), (193, 1536, 9), (1100, 512, 5)) if qtype in K_QTYPES else
+              ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)))
+    for n_out, n_in, m in shapes:
         w, dense = random_matrix(rng, n_out, n_in, qtype)
+        if qtype in K_QTYPES:
+            assert w.qtype == int(qtype) and w.blocks.nbytes == quantize_np(dense, qtype).nbytes
         x = jnp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
         got = np.asarray(jax.jit(qmatmul)(x, w))
         ref = np.asarray(jax.jit(qmatmul_reference)(x, w))
@@ -45,6 +56,29 @@ def test_qmatmul_matches_the_reference(qtype):
         scale = np.abs(exact).max()
         assert np.abs(got - exact).max() <= 2e-6 * scale * np.sqrt(n_in / 32), (n_out, n_in, m)
         assert np.abs(ref - exact).max() <= 2e-6 * scale * np.sqrt(n_in / 32)
+
+
+@pytest.mark.parametrize("qtype", K_QTYPES, ids=lambda t: t.name)
+def test_k_quant_rows_do_not_depend_on_their_batch(qtype):
+    rng = np.random.default_rng()
+    w, _ = random_matrix(rng, 300, 512, qtype)
+    x = jnp.asarray(rng.standard_normal((11, 512)).astype(np.float32))
+    full = np.asarray(jax.jit(qmatmul)(x, w))
+    for m in (1, 2, 3, 4, 5, 8):
+        np.testing.assert_array_equal(np.asarray(jax.jit(qmatmul)(x[:m], w)), full[:m])
+    with pytest.raises(ValueError, match="f32 activations only"):
+        qmatmul(x, w, int8_activations=True)
+
+
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES, ids=lambda t: t.name)
+def test_native_dequantize_is_the_reference_bit_for_bit(qtype):
+    """Long prefill chunks multiply f32 weights dequantized in the kernel (layers.linear): they must
+    be the file's values exactly, as gguf/quants.py's jnp transcription of ggml gives them."""
+    rng = np.random.default_rng()
+    w, dense = random_matrix(rng, 37, 512, qtype)
+    got = np.asarray(jax.jit(dequantize_native)(w))
+    np.testing.assert_array_equal(got, np.asarray(dequantize_blocks(w.blocks, w.qtype)).reshape(37, 512))
+    np.testing.assert_array_equal(got, dense)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
@@ -182,26 +216,32 @@ def test_disabled_native_kernels_say_why(monkeypatch):
         dispatch.kernel_mode("attention_decode", "cpu", env="native")
 
 
-@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0), ids=lambda t: t.name)
+@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
 def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_type):
-    """The runner's decode programs read the quant blocks (weights.decode_view); prefill and a
-    runner without them read f32. Same logits up to summation order, same greedy tokens."""
+    """On the CPU every matrix the kernel reads is held only as its blocks (weights._load_resident):
+    decode reads them in the kernel, long prefill chunks dequantize them in the program. A runner
+    over f32 weights (the bf16/mesh loader's form, here in f32) gives the same logits up to
+    summation order and the same greedy tokens."""
     from pantheon.engine.runner import ModelRunner
     from pantheon.gguf import open_gguf
+    from pantheon.model import weights
     from pantheon.model.family import family_of
     from pantheon.model.spec import spec_from_gguf
     from tests.fixtures.tiny_models import write_tiny_llama
 
-    g = open_gguf(write_tiny_llama(tmp_path / "m.gguf", weight_type=weight_type, embd_type=Q.Q8_0, n_layer=2))
+    g = open_gguf(write_tiny_llama(tmp_path / "m.gguf", weight_type=weight_type, embd_type=Q.Q8_0, n_layer=2,
+                                   n_embd=256, n_ff=512))
     spec = spec_from_gguf(g)
     fam = family_of(spec)
     params = fam.load_params(g, spec)
-    assert isinstance(params["decode"]["head"], QMatrix)
-    assert all(isinstance(m, QMatrix) for layer in params["decode"]["layers"] for m in layer.values())
+    assert isinstance(params["head"], QMatrix) and "decode" not in params
+    assert all(isinstance(m, QMatrix) for layer in params["layers"] for k, m in layer.items() if k.startswith("w"))
+    dense_params = weights.load_params(g, spec, device=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
+    assert not isinstance(dense_params["head"], QMatrix)
     runs = []
-    for p in (params, {k: v for k, v in params.items() if k != "decode"}):
-        runner = ModelRunner(spec, fam.numerics_for(g, spec, "exact"), p, n_slots=2, ctx=32)
-        prompts = ([1, 72, 101, 108, 108, 111], [1, 200, 31, 7])
+    for p in (params, dense_params):
+        runner = ModelRunner(spec, fam.numerics_for(g, spec, "exact"), p, n_slots=2, ctx=64)
+        prompts = ([1, 72, 101, 108, 108, 111], list(range(3, 40)))  # 37 tokens: a chunk past the kernel's rows
         last = [int(np.argmax(np.asarray(runner.prefill(s, t, 0)))) for s, t in enumerate(prompts)]
         out = []
         for i in range(4):
