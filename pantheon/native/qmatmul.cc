@@ -22,8 +22,11 @@
 namespace pantheon {
 namespace {
 
-// ggml's Q8_0 (d, 32 x int8) and Pantheon's U4_1 (d, m, 32 x u8): one widening load gives 8 weights.
-enum QType : int64_t { kQ8_0 = 8, kU4_1 = 1003 };
+// ggml's Q8_0 (d, 32 x int8), Q4_0 (d, 16 bytes of nibbles: code - 8) and Q4_1 (d, m, 16 bytes of
+// nibbles), and Pantheon's U4_1 (d, m, 32 x u8: Q5_1 unpacked, qmatmul.unpack_nibbles). A packed
+// block's nibbles are split in registers (low nibbles are weights 0-15, high ones 16-31): the same
+// codes, so the same arithmetic as their unpacked forms, bit for bit.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kU4_1 = 1003 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -31,8 +34,23 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 // hardware prefetcher alone left a batch-1 step of the default model ~8 % slower).
 constexpr int64_t PREFETCH = 1024;
 
-constexpr int64_t block_bytes(int64_t t) { return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : 0; }
-constexpr bool has_min(int64_t t) { return t == kU4_1; }  // weight = d * w + m
+constexpr int64_t block_bytes(int64_t t) {
+  return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : 0;
+}
+constexpr bool has_min(int64_t t) { return t == kU4_1 || t == kQ4_1; }  // weight = d * w + m
+constexpr bool packed(int64_t t) { return t == kQ4_0 || t == kQ4_1; }
+
+// A packed block's 32 codes as two 16-byte halves (weights 0-15, 16-31); Q4_0's centred (code - 8).
+template <int64_t t>
+inline void nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m4 = _mm_set1_epi8(0x0F);
+  lo = _mm_and_si128(raw, m4);
+  hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+  if constexpr (t == kQ4_0) {
+    lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+    hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+  }
+}
 
 // A block's scale d and (U4_1) min m: weight = d * w + m.
 template <int64_t t>
@@ -55,6 +73,15 @@ inline void scales(const uint8_t* b, float& d, float& m) {
 template <int64_t t>
 inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
   scales<t>(b, d, m);
+  if constexpr (packed(t)) {
+    __m128i h[2];
+    nibbles<t>(b + (has_min(t) ? 4 : 2), h[0], h[1]);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = (i & 1) ? _mm_srli_si128(h[i / 2], 8) : h[i / 2];
+      w[i] = (v8f)_mm256_cvtepi32_ps(has_min(t) ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q));
+    }
+    return;
+  }
   for (int i = 0; i < 4; ++i) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + (has_min(t) ? 4 : 2) + 8 * i));
     w[i] = (v8f)_mm256_cvtepi32_ps(has_min(t) ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q));
@@ -131,7 +158,17 @@ struct Q8Rows {
 template <int64_t t>
 inline void block_bytes8(const uint8_t* b, __m256i& w, __m256i& sign, float& d, float& m) {
   scales<t>(b, d, m);
-  if constexpr (has_min(t)) {
+  if constexpr (packed(t)) {
+    __m128i lo, hi;
+    nibbles<t>(b + (has_min(t) ? 4 : 2), lo, hi);
+    const __m256i v = _mm256_set_m128i(hi, lo);
+    if constexpr (has_min(t)) {
+      w = v;
+    } else {
+      sign = v;
+      w = _mm256_sign_epi8(sign, sign);
+    }
+  } else if constexpr (has_min(t)) {
     w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
   } else {
     sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
@@ -174,14 +211,22 @@ void columns8(const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N,
 
 void columns8(int64_t t, const Q8Rows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
               int64_t n1) {
-  if (t == kU4_1) columns8<kU4_1>(a, w, y, M, N, K, n0, n1);
-  else columns8<kQ8_0>(a, w, y, M, N, K, n0, n1);
+  switch (t) {
+    case kU4_1: columns8<kU4_1>(a, w, y, M, N, K, n0, n1); break;
+    case kQ4_0: columns8<kQ4_0>(a, w, y, M, N, K, n0, n1); break;
+    case kQ4_1: columns8<kQ4_1>(a, w, y, M, N, K, n0, n1); break;
+    default: columns8<kQ8_0>(a, w, y, M, N, K, n0, n1); break;
+  }
 }
 
 void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, float* y, int64_t M, int64_t N,
              int64_t K, int64_t n0, int64_t n1) {
-  if (t == kU4_1) columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1);
-  else columns<kQ8_0>(x, xsum, w, y, M, N, K, n0, n1);
+  switch (t) {
+    case kU4_1: columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
+    case kQ4_0: columns<kQ4_0>(x, xsum, w, y, M, N, K, n0, n1); break;
+    case kQ4_1: columns<kQ4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
+    default: columns<kQ8_0>(x, xsum, w, y, M, N, K, n0, n1); break;
+  }
 }
 
 // K-quant super-blocks, f32 activations only (kquants.h).
@@ -287,6 +332,8 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultB
     switch (qtype) {
       case kQ8_0: dequant_rows<kQ8_0>(wp, op, K, n0, n1); break;
       case kU4_1: dequant_rows<kU4_1>(wp, op, K, n0, n1); break;
+      case kQ4_0: dequant_rows<kQ4_0>(wp, op, K, n0, n1); break;
+      case kQ4_1: dequant_rows<kQ4_1>(wp, op, K, n0, n1); break;
       case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1); break;
       case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1); break;
       case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1); break;

@@ -25,7 +25,7 @@ import numpy as np
 from pantheon.gguf.quants import dequantize
 
 TARGET = "pantheon_qmatmul"
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids the kernel takes from a GGUF
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8  # ggml type ids the kernel takes from a GGUF
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14  # K-quants: 256-weight super-blocks (kquants.h)
 K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 # A product of more rows than this (a prefill chunk) is compute-bound: the blocks are dequantized in
@@ -35,21 +35,21 @@ KERNEL_MAX_ROWS = 16
 # Pantheon's own: Q4_1 with each nibble in a byte (d, m fp16, then 32 x u8), see `unpack_nibbles`
 U4_1 = 1003
 # type id -> bytes per 32-weight block
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, U4_1: 36}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36}
 # K type id -> bytes per 256-weight super-block
 SUPER_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 # the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles). The K-quants are
 # read as the file holds them, with f32 activations only ("exact" numerics; `linear` rounds and
 # dequantizes for "llamacpp").
-KERNEL_LAYOUT = {Q4_0: Q8_0, Q4_1: U4_1, Q8_0: Q8_0, **{t: t for t in K_TYPES}}
+KERNEL_LAYOUT = {Q4_0: Q4_0, Q4_1: Q4_1, Q5_0: Q8_0, Q5_1: U4_1, Q8_0: Q8_0, **{t: t for t in K_TYPES}}
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True)
 class QMatrix:
     """A weight W [n_out, n_in] as ggml blocks: `blocks` uint8 [n_out, n_in / 32 * block bytes], each
-    row the blocks of one output. qtype: a BLOCK_BYTES key (a ggml type id, or U4_1); the kernel
-    reads Q8_0 and U4_1 (KERNEL_LAYOUT's values)."""
+    row the blocks of one output. qtype: a BLOCK_BYTES or SUPER_BLOCK_BYTES key (a ggml type id, or
+    U4_1); the kernel reads KERNEL_LAYOUT's values."""
 
     blocks: jax.Array
     qtype: int
@@ -76,22 +76,28 @@ def supported(ggml_type: int) -> bool:
     return int(ggml_type) in KERNEL_LAYOUT
 
 
-def unpack_nibbles(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, int]:
-    """4-bit blocks as the kernel reads them fastest, losslessly: Q4_0 becomes Q8_0 (nibble - 8 as
-    int8, the same values, the same scale) and Q4_1 becomes U4_1 (each nibble in its own byte).
-    The kernel reads only these layouts: splitting nibbles took about a third of its instructions
-    per block, and now one load widens 8 weights. The blocks are 1.8x the bytes (SmolLM2: 66 -> 119 MB),
-    still 4.5x fewer than f32. blocks: uint8 [n_out, row bytes] -> (blocks, type)."""
-    if KERNEL_LAYOUT.get(qtype, qtype) == qtype:
+def unpack_nibbles(blocks: np.ndarray, qtype: int, layout: dict | None = None) -> tuple[np.ndarray, int]:
+    """Blocks as the kernel reads them (KERNEL_LAYOUT), losslessly. Q4_0/Q4_1 are read packed (the
+    kernel splits their nibbles in registers: the same codes and arithmetic as unpacked, bit for
+    bit, at the file's bytes). Q5_0 becomes Q8_0 (code - 16 as int8, the same scale) and Q5_1 becomes
+    U4_1 (each 5-bit code in its own byte, with d and m): 1.55x their bytes, still 3.3x fewer than
+    f32. Q4_0/Q4_1 can be unpacked the same way (`layout`), as the tests do to check the packed
+    reads. blocks: uint8 [n_out, row bytes] -> (blocks, type)."""
+    layout = KERNEL_LAYOUT if layout is None else layout
+    if layout.get(qtype, qtype) == qtype:
         return blocks, qtype
-    head = 2 if qtype == Q4_0 else 4  # d (and m), fp16
+    head = 2 if qtype in (Q4_0, Q5_0) else 4  # d (and m), fp16
     b = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[qtype])
-    qs = b[..., head:]
+    five = qtype in (Q5_0, Q5_1)  # a u32 of fifth bits (bit j: weight j) before the nibbles
+    qs = b[..., head + 4 * five:]
     values = np.concatenate([qs & 15, qs >> 4], axis=-1)  # low nibbles are weights 0-15, high 16-31
-    if qtype == Q4_0:
-        values = (values.astype(np.int16) - 8).astype(np.int8).view(np.uint8)
+    if five:
+        qh = np.ascontiguousarray(b[..., head:head + 4]).view("<u4")  # [..., 1]
+        values |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    if qtype in (Q4_0, Q5_0):  # signed codes, centred: Q8_0 with the same scale
+        values = (values.astype(np.int16) - (16 if five else 8)).astype(np.int8).view(np.uint8)
     out = np.concatenate([b[..., :head], values], axis=-1).reshape(blocks.shape[0], -1)
-    return np.ascontiguousarray(out), KERNEL_LAYOUT[qtype]
+    return np.ascontiguousarray(out), layout[qtype]
 
 
 def decode_bytes(ggml_type: int, nbytes: int) -> int:
@@ -123,9 +129,9 @@ def dequantize_native(w: QMatrix) -> jax.Array:
 def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
     x rounded to Q8_0 blocks first (Q8_1 against U4_1), as ggml-cpu does."""
-    if w.qtype not in (Q8_0, U4_1) and w.qtype not in K_TYPES:
-        raise ValueError(f"qmatmul reads Q8_0, U4_1 and K-quant blocks, not type {w.qtype}: load them through "
-                         "unpack_nibbles")
+    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1) and w.qtype not in K_TYPES:
+        raise ValueError(f"qmatmul reads Q4_0, Q4_1, Q8_0, U4_1 and K-quant blocks, not type {w.qtype}: load "
+                         "Q5_0/Q5_1 through unpack_nibbles")
     if int8_activations and w.qtype in K_TYPES:
         raise ValueError("qmatmul reads K-quants with f32 activations only")
     lead = x.shape[:-1]
@@ -150,16 +156,20 @@ def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) 
 
 
 def int_blocks(w: QMatrix):
-    """A Q8_0 or U4_1 QMatrix as numerics.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block)."""
+    """A Q8_0, Q4_0, Q4_1 or U4_1 QMatrix as numerics.IntBlocks [n_in, n_out] (jnp): w = d * c
+    (+ m per block)."""
     from pantheon.model.numerics import IntBlocks
 
     b = w.blocks.reshape(w.n_out, w.n_in // 32, BLOCK_BYTES[w.qtype])
     fp16 = lambda lo: jax.lax.bitcast_convert_type(b[..., lo:lo + 2], jnp.float16).astype(jnp.float32).T  # noqa: E731
-    if w.qtype == Q8_0:  # d, then 32 x int8
-        c = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8)
-        return IntBlocks(c.reshape(w.n_out, w.n_in).astype(jnp.float32).T, fp16(0))
-    # U4_1: d, m, then 32 x u8; the min term is m * 1 per block
-    c = b[..., 4:].reshape(w.n_out, w.n_in).astype(jnp.float32).T
+    nibbles = lambda qs: jnp.concatenate([qs & 15, qs >> 4], axis=-1)  # noqa: E731 - weights 0-15, then 16-31
+    if w.qtype in (Q8_0, Q4_0):  # d, then 32 x int8 (Q4_0: 16 bytes of nibbles, code - 8)
+        c = (jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) if w.qtype == Q8_0
+             else nibbles(b[..., 2:]).astype(jnp.float32) - 8)
+        return IntBlocks(c.reshape(w.n_out, w.n_in).T, fp16(0))
+    # U4_1 / Q4_1: d, m, then 32 x u8 (or 16 bytes of nibbles); the min term is m * 1 per block
+    codes = b[..., 4:] if w.qtype == U4_1 else nibbles(b[..., 4:])
+    c = codes.reshape(w.n_out, w.n_in).astype(jnp.float32).T
     return IntBlocks(c, fp16(0), jnp.ones((w.n_in // 32, w.n_out), jnp.float32), fp16(2), group=32)
 
 

@@ -16,7 +16,7 @@ from pantheon.native.qmatmul import dequantize_native
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import cached_attention_blocked
 
-QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # GGUF types, in the layouts the models load them (unpack_nibbles)
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # GGUF types, in the layouts the models load them (unpack_nibbles)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -154,17 +154,36 @@ def test_qmatmul_keeps_leading_axes_and_embeds_rows(qtype):
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
-def test_unpacked_nibbles_hold_the_same_weights_and_the_kernel_reads_only_them(qtype):
-    """unpack_nibbles is lossless (Q4_0 -> Q8_0, Q4_1 -> U4_1, 1.8x the bytes); the kernel refuses
-    the 4-bit layout with a message rather than misreading it."""
+def test_packed_4bit_blocks_read_bit_for_bit_as_their_unpacked_form(qtype):
+    """Q4_0/Q4_1 stay at the file's bytes: the kernel splits the nibbles in registers. The result
+    is the unpacked layout's (Q8_0 / U4_1, one byte per code) bit for bit, f32 and 8-bit
+    activations alike, at any batch."""
+    rng = np.random.default_rng()
+    packed = quantize_np(rng.standard_normal((300, 512)).astype(np.float32), qtype).reshape(300, -1)
+    assert unpack_nibbles(packed, int(qtype)) == (packed, int(qtype))  # what the models load
+    blocks, layout = unpack_nibbles(packed, int(qtype), {Q.Q4_0: Q.Q8_0, Q.Q4_1: U4_1})
+    wp, wu = QMatrix(jnp.asarray(packed), int(qtype), 512), QMatrix(jnp.asarray(blocks), layout, 512)
+    for m in (1, 3, 8):
+        x = jnp.asarray(rng.standard_normal((m, 512)).astype(np.float32))
+        for int8 in (False, True):
+            f = jax.jit(lambda x, w, int8=int8: qmatmul(x, w, int8_activations=int8))
+            np.testing.assert_array_equal(np.asarray(f(x, wp)), np.asarray(f(x, wu)))
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1), ids=lambda t: t.name)
+def test_unpacked_codes_hold_the_same_weights(qtype):
+    """unpack_nibbles is lossless (Q4_0/Q5_0 -> Q8_0, Q4_1/Q5_1 -> U4_1); the kernel refuses packed
+    5-bit blocks with a message rather than misreading them."""
     rng = np.random.default_rng()
     packed = quantize_np(rng.standard_normal((96, 256)).astype(np.float32), qtype).reshape(96, -1)
-    blocks, layout = unpack_nibbles(packed, int(qtype))
-    assert layout == (Q.Q8_0 if qtype == Q.Q4_0 else U4_1) and blocks.shape[1] == 8 * (34 if qtype == Q.Q4_0 else 36)
+    blocks, layout = unpack_nibbles(packed, int(qtype), {Q.Q4_0: Q.Q8_0, Q.Q4_1: U4_1, Q.Q5_0: Q.Q8_0, Q.Q5_1: U4_1})
+    signed = qtype in (Q.Q4_0, Q.Q5_0)
+    assert layout == (Q.Q8_0 if signed else U4_1) and blocks.shape[1] == 8 * (34 if signed else 36)
     np.testing.assert_array_equal(np.asarray(dequantize_blocks(jnp.asarray(blocks), layout)),
                                   dequantize_np(packed, qtype).reshape(96, 256))
-    with pytest.raises(ValueError, match="unpack_nibbles"):
-        qmatmul(jnp.ones((1, 256), jnp.float32), QMatrix(jnp.asarray(packed), int(qtype), 256))
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        with pytest.raises(ValueError, match="unpack_nibbles"):
+            qmatmul(jnp.ones((1, 256), jnp.float32), QMatrix(jnp.asarray(packed), int(qtype), 256))
 
 
 def test_attention_decode_matches_the_blocked_reference():
@@ -216,7 +235,7 @@ def test_disabled_native_kernels_say_why(monkeypatch):
         dispatch.kernel_mode("attention_decode", "cpu", env="native")
 
 
-@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
 def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_type):
     """On the CPU every matrix the kernel reads is held only as its blocks (weights._load_resident):
     decode reads them in the kernel, long prefill chunks dequantize them in the program. A runner
