@@ -1,9 +1,9 @@
 // ggml's K-quant super-blocks (256 weights each) as the f32 kernel reads them: a super-block is
 // decoded to 256 small integer codes and one scale and min per sub-block (32 weights for Q4_K and
 // Q5_K, 16 for Q2_K, Q3_K and Q6_K), as ggml's dequantize_row_* reads them (w = scale * code - min,
-// scale = d * sub-scale and min = dmin * sub-min in f32). The product sums code * x per sub-block
-// in f32, then scales it once: sum_s scale_s * dot_s - min_s * sum(x_s), the same value as the
-// dequantized weights' product up to f32 rounding order.
+// scale = d * sub-scale and min = dmin * sub-min in f32; Q3_K's code already holds its -4). The
+// product sums code * x per sub-block in f32, then scales it once: sum_s scale_s * dot_s - min_s *
+// sum(x_s), the same value as the dequantized weights' product up to f32 rounding order.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +20,7 @@ constexpr int64_t k_bytes(int64_t t) {
   return t == kQ2_K ? 84 : t == kQ3_K ? 110 : t == kQ4_K ? 144 : t == kQ5_K ? 176 : t == kQ6_K ? 210 : 0;
 }
 constexpr int64_t k_sub(int64_t t) { return t == kQ4_K || t == kQ5_K ? 32 : 16; }  // weights per sub-block
+constexpr bool has_k_min(int64_t t) { return t == kQ2_K || t == kQ4_K || t == kQ5_K; }
 
 struct SuperBlock {
   alignas(32) int8_t q[256];
@@ -43,47 +44,10 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
   }
 }
 
+// Q2_K's and Q3_K's sub-block scales (and Q2_K's mins), 16 of each.
 template <int64_t t>
-inline void decode_k(const uint8_t* b, SuperBlock& o) {
-  if constexpr (t == kQ4_K || t == kQ5_K) {
-    const float d = fp16_at(b), dmin = fp16_at(b + 2);
-    const uint8_t* sc = b + 4;
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      scale_min_k4(j, sc, s, m);
-      o.scale[j] = d * static_cast<float>(s);
-      o.min[j] = dmin * static_cast<float>(m);
-    }
-    const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
-    for (int j = 0; j < 4; ++j)
-      for (int l = 0; l < 32; ++l) {
-        o.q[64 * j + l] = static_cast<int8_t>(qs[32 * j + l] & 0xF);
-        o.q[64 * j + 32 + l] = static_cast<int8_t>(qs[32 * j + l] >> 4);
-      }
-    if constexpr (t == kQ5_K) {
-      const uint8_t* qh = b + 16;
-      for (int j = 0; j < 4; ++j)
-        for (int l = 0; l < 32; ++l) {
-          o.q[64 * j + l] = static_cast<int8_t>(o.q[64 * j + l] | (((qh[l] >> (2 * j)) & 1) << 4));
-          o.q[64 * j + 32 + l] = static_cast<int8_t>(o.q[64 * j + 32 + l] | (((qh[l] >> (2 * j + 1)) & 1) << 4));
-        }
-    }
-  } else if constexpr (t == kQ6_K) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = fp16_at(b + 208);
-    for (int k = 0; k < 16; ++k) o.scale[k] = d * static_cast<float>(sc[k]), o.min[k] = 0.f;
-    for (int n = 0; n < 2; ++n)
-      for (int l = 0; l < 32; ++l) {
-        const uint8_t *L = ql + 64 * n, *H = qh + 32 * n;
-        int8_t* q = o.q + 128 * n;
-        q[l] = static_cast<int8_t>(((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32);
-        q[l + 32] = static_cast<int8_t>(((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32);
-        q[l + 64] = static_cast<int8_t>(((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32);
-        q[l + 96] = static_cast<int8_t>(((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32);
-      }
-  } else if constexpr (t == kQ3_K) {
-    const uint8_t *hm = b, *qs = b + 32;
+inline void decode_scales_k(const uint8_t* b, SuperBlock& o) {
+  if constexpr (t == kQ3_K) {
     const float d = fp16_at(b + 108);
     uint32_t aux[4];
     std::memcpy(aux, b + 96, 12);
@@ -95,27 +59,18 @@ inline void decode_k(const uint8_t* b, SuperBlock& o) {
     int8_t s[16];
     std::memcpy(s, aux, 16);
     for (int k = 0; k < 16; ++k) o.scale[k] = d * static_cast<float>(s[k] - 32), o.min[k] = 0.f;
-    for (int n = 0; n < 2; ++n)
-      for (int j = 0; j < 4; ++j)
-        for (int l = 0; l < 32; ++l)
-          o.q[128 * n + 32 * j + l] = static_cast<int8_t>(((qs[32 * n + l] >> (2 * j)) & 3) -
-                                                          ((hm[l] & (1 << (4 * n + j))) ? 0 : 4));
-  } else {  // Q2_K
-    const uint8_t *sc = b, *qs = b + 16;
+  } else {
+    const uint8_t* sc = b;
     const float d = fp16_at(b + 80), dmin = fp16_at(b + 82);
     for (int k = 0; k < 16; ++k) {
       o.scale[k] = d * static_cast<float>(sc[k] & 0xF);
       o.min[k] = dmin * static_cast<float>(sc[k] >> 4);
     }
-    for (int n = 0; n < 2; ++n)
-      for (int j = 0; j < 4; ++j)
-        for (int l = 0; l < 32; ++l)
-          o.q[128 * n + 32 * j + l] = static_cast<int8_t>((qs[32 * n + l] >> (2 * j)) & 3);
   }
 }
 
-// Q4_K, Q5_K and Q6_K, the types of Q4_K_M/Q5_K_M files, decode in vector registers: 8 x 32
-// codes. (Q2_K and Q3_K go through the byte loops of decode_k above.)
+// A super-block's 256 codes, decoded in vector registers (8 x 32 bytes), and its sub-block scales
+// and mins.
 template <int64_t t>
 inline void codes_k(const uint8_t* b, SuperBlock& o) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -163,8 +118,28 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
       put(64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4)));
       put(96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6)));
     }
-  } else {
-    decode_k<t>(b, o);
+  } else if constexpr (t == kQ3_K) {  // 2 low bits from qs, minus 4 where the hmask bit is clear
+    decode_scales_k<t>(b, o);
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), m2 = _mm256_set1_epi8(3);
+    const __m256i four = _mm256_set1_epi8(4), zero = _mm256_setzero_si256();
+    for (int n = 0; n < 2; ++n) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * n));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), m2);
+        const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8(static_cast<char>(1 << (4 * n + j)))), zero);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * n + 32 * j),
+                           _mm256_sub_epi8(low, _mm256_and_si256(clear, four)));
+      }
+    }
+  } else {  // Q2_K: 2 bits per code
+    decode_scales_k<t>(b, o);
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * n));
+      for (int j = 0; j < 4; ++j)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * n + 32 * j),
+                           _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), m2));
+    }
   }
 }
 
@@ -172,7 +147,7 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
 // as f32 (once, for all R rows), then per row and sub-block the f32 dot of codes and x, scaled:
 // acc += scale * dot, and the min term min * sum(x over the sub-block) beside it. A row's sums run
 // over the same vectors in the same order in every tile, so a row never depends on its batch.
-// xsum[m, K/32]: x's sums over 32 weights (Q4_K/Q5_K's sub-blocks; the other types have no min).
+// xsum[m, K/sub]: x's sums over each sub-block (Q2_K's 16, Q4_K/Q5_K's 32; the others have no min).
 template <int64_t t, int64_t R>
 inline void ktile(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0,
                   int64_t n) {
@@ -199,17 +174,10 @@ inline void ktile(const float* x, const float* xsum, const uint8_t* wrow, float*
         for (int v = v0 + 1; v < v0 + per_sub; ++v) dot = fma8(R > 1 ? c[v] : code(v), load8(xr + 8 * v), dot);
         acc[r] = fma8(dot, v8f{} + sb.scale[s], acc[r]);
       }
-      if constexpr (t == kQ4_K || t == kQ5_K || t == kQ2_K) {
-        if constexpr (t == kQ2_K) {  // sub-blocks of 16: x's sums over 16
-          for (int s = 0; s < 16; ++s) {
-            float sx = 0.f;
-            for (int i = 0; i < 16; ++i) sx += xr[16 * s + i];
-            macc[r] += sb.min[s] * sx;
-          }
-        } else {
-          const float* xs = xsum + (m0 + r) * (K / 32) + j * 8;
-          for (int s = 0; s < 8; ++s) macc[r] += sb.min[s] * xs[s];
-        }
+      if constexpr (has_k_min(t)) {
+        constexpr int subs = static_cast<int>(256 / k_sub(t));
+        const float* xs = xsum + (m0 + r) * (K / k_sub(t)) + j * subs;
+        for (int s = 0; s < subs; ++s) macc[r] += sb.min[s] * xs[s];
       }
     }
   }

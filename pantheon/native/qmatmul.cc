@@ -241,10 +241,11 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
   float* yp = y->typed_data();
   const int64_t threads = M * N * K >= (int64_t{1} << 16) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
-  std::unique_ptr<float[]> xsum(new float[M * (K / 32) + 1]);  // the min terms' sums over 32 weights
-  for (int64_t i = 0; i < M * (K / 32); ++i) {
+  const int64_t sub = k_sub(qtype);  // the min terms' sums of x over each sub-block
+  std::unique_ptr<float[]> xsum(new float[M * (K / sub) + 1]);
+  for (int64_t i = 0; i < M * (K / sub); ++i) {
     float s = 0.f;
-    for (int k = 0; k < 32; ++k) s += xp[i * 32 + k];
+    for (int64_t k = 0; k < sub; ++k) s += xp[i * sub + k];
     xsum[i] = s;
   }
   const float* xs = xsum.get();

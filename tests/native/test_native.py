@@ -235,7 +235,7 @@ def test_disabled_native_kernels_say_why(monkeypatch):
         dispatch.kernel_mode("attention_decode", "cpu", env="native")
 
 
-@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
 def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_type):
     """On the CPU every matrix the kernel reads is held only as its blocks (weights._load_resident):
     decode reads them in the kernel, long prefill chunks dequantize them in the program. A runner
