@@ -26,7 +26,8 @@ from pantheon.engine.runner import ModelRunner
 from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
 from pantheon.config import session_host_bytes, session_key
-from pantheon.engine.sessions import CapacityError, HostBudget, Parked, SessionError, SlotTable, process_host_budget
+from pantheon.engine.host_budget import HostBudget, process_host_budget
+from pantheon.engine.sessions import CapacityError, Parked, SessionError, SlotTable
 from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
 from pantheon.model.dtypes import backend_of, compute_dtype
 from pantheon.model.family import family_of
@@ -145,6 +146,11 @@ class Engine:
         """Requests this model takes now without queueing: the served concurrency less the
         requests admitted or queued (the router's `free_slots`, /metrics' pantheon_slots_free)."""
         return max(self.max_concurrent - self.scheduler.load, 0)
+
+    @property
+    def status(self) -> str:
+        """The model row's `status`: "compiling" while the warm-up compile runs, then "ready"."""
+        return "compiling" if self.compiling else "ready"
 
     @property
     def grammar_factory(self):
@@ -313,16 +319,18 @@ class Engine:
             out[k] = a
         self.runner.import_slot(slot, out)
 
+    def _slot_bytes(self, n_tok: int) -> int:
+        """Bytes of one slot's state over its first n_tok positions (runner.slot_layout)."""
+        layout = self.runner.slot_layout(n_tok)
+        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+
     @property
     def max_blob_bytes(self) -> int:
         """The size of the largest session blob this model can export (a whole window), header included."""
-        layout = self.runner.slot_layout(self.ctx)
-        arrays = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
-        return arrays + session_blob.MAX_HEADER_BYTES
+        return self._slot_bytes(self.ctx) + session_blob.MAX_HEADER_BYTES
 
     def _spill_nbytes(self, n_tok: int) -> int:
-        layout = self.runner.slot_layout(self._tier_len(n_tok))
-        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+        return self._slot_bytes(self._tier_len(n_tok))
 
     @staticmethod
     def _exact(arrays: dict, n_tok: int) -> dict:

@@ -286,7 +286,6 @@ class ModelPool:
         del entries, entry
         reclaim()
 
-
     def close(self) -> None:
         for e in self.entries():
             if e.engine is not None:

@@ -28,15 +28,12 @@ from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
 from pantheon.model.step import full_step
-from pantheon.model.weights import decode_view, prefill_view
-from pantheon.native.qmatmul import KERNEL_MAX_ROWS
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 # Prefill is compute-bound: padding costs its full share (SmolLM2 on 2 cores: 16 tokens 54-66 ms,
 # 32: 82-105, 48: 104-109, 64: 128), so short prompts get finer buckets. Each costs one compile.
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512)
 MIN_KV_BUCKET = 128
-QUANT_PREFILL_ROWS = KERNEL_MAX_ROWS  # prefill chunks of at most this many tokens read the quant blocks
 
 
 FULL_STEP_ENV = "PANTHEON_FULL_STEP"
@@ -138,10 +135,6 @@ class ModelRunner:
                  registry: GraphRegistry | None = None, device=None, dtype=jnp.float32):
         self.spec, self.numerics, self.params, self.n_slots, self.ctx = spec, numerics, params, n_slots, ctx
         self.kv_dtype = dtype  # the KV cache's (model/dtypes.py); host-fallback KV is f32
-        # Prefill reads f32 matrices; decode the quant blocks where the native kernel holds them
-        # (weights.decode_view). Both views share every other array.
-        self.prefill_params = prefill_view(params)
-        self.decode_params = decode_view(params)
         self.registry = registry or GraphRegistry()
         self.family = family_of(spec)
         if isinstance(device, Mesh):  # several dies: KV heads split, sampler state replicated
@@ -195,24 +188,10 @@ class ModelRunner:
             key = self._program_key(kind, name, layer, batch, chunk, static)
             return self.registry.call(key, fn, args, static)
 
-        params = self._params_for(kind, chunk)
-        logits, self.cache = self.family.forward(params, self.cache, tokens, positions, slots, logit_index,
+        logits, self.cache = self.family.forward(self.params, self.cache, tokens, positions, slots, logit_index,
                                                  spec=self.spec, numerics=self.numerics, kv_len=kv_len,
                                                  all_logits=all_logits, call=call)
         return logits
-
-    def _params_for(self, kind: str, chunk: int):
-        """Decode, and prefill chunks of at most QUANT_PREFILL_ROWS tokens, read the quant blocks
-        (weights.decode_view): a short chunk's cost is mostly reading the weights, which are 4.5x
-        fewer bytes there than as f32 (a 16-token chunk of the default model 71 -> 50 ms; at 32
-        tokens the f32 GEMM is already ahead, 99 against 109 ms). With `llamacpp` numerics every
-        prefill reads the blocks: the kernel's integer dot products are llama.cpp's own arithmetic,
-        row by row, while an f32 GEMM over the same rounded activations sums in another order and
-        flips activation roundings downstream (a Q8_0 qwen3 62-token prompt: 0.12 from llama.cpp's
-        log-probs through the GEMM, 4e-7 through the kernel)."""
-        if kind == "decode" or chunk <= QUANT_PREFILL_ROWS or self.numerics.mode == "llamacpp":
-            return self.decode_params
-        return self.prefill_params
 
     def warm_up(self, progress: Callable[[str], None] = lambda phase: None) -> float:
         """Compile, from abstract shapes, what serving calls on first use: every prefill chunk
@@ -239,7 +218,7 @@ class ModelRunner:
 
             i32 = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
             one = jax.ShapeDtypeStruct((1,), jnp.int32)
-            self.family.forward(shapes(self._params_for("prefill", chunk)), cache, i32, i32, one, one, spec=self.spec,
+            self.family.forward(shapes(self.params), cache, i32, i32, one, one, spec=self.spec,
                                 numerics=self.numerics, kv_len=self.kv_bucket(chunk), all_logits=False, call=call)
         progress("sampler")
         sampling = SlotSampling(SamplingParams(), np.zeros(2, np.uint32))
@@ -282,7 +261,7 @@ class ModelRunner:
         is retried on the registry's backoff), or for a step an injected `step` fault targets."""
         ids, pos, rows, logit_index = self._decode_inputs(slots, tokens, positions)
         if self._full_step_ok(mask=None):
-            args = (self.decode_params, self.cache, ids, pos, rows, logit_index)
+            args = (self.params, self.cache, ids, pos, rows, logit_index)
             step = self._full_step_executable(GraphKey("decode", "segment", (len(rows),), program="step"), full_step,
                                               args, self._step_static())
             if step is not None:
@@ -336,7 +315,7 @@ class ModelRunner:
         """(key, args, static) of the full step with the sampler inlined for d's rows (no mask)."""
         ids, pos, rows, logit_index = self._decode_inputs(d.slots, d.tokens, d.positions)
         sargs, want_top = self._sample_args(len(rows), d.slots, d.sampling, d.forced, None, advance=False)
-        args = (self.decode_params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
+        args = (self.params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
         key = GraphKey("decode", "segment", (len(rows), want_top), program="step_sample")
         return key, args, dict(self._step_static(), want_top=want_top)
 

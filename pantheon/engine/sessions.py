@@ -37,10 +37,11 @@ Data model
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from pantheon.engine.host_budget import HostBudget
 
 log = logging.getLogger(__name__)
 
@@ -98,37 +99,6 @@ class SessionError(Exception):
     def __init__(self, status: int, type_: str, message: str):
         super().__init__(message)
         self.status, self.type, self.message = status, type_, message
-
-
-class HostBudget:
-    """Host-memory bytes the parked conversations may hold. One per process (every model's table
-    draws on it), so it is thread-safe."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used = max(0, int(limit)), 0
-        self._lock = threading.Lock()
-
-    def reserve(self, n: int) -> bool:
-        with self._lock:
-            if self.used + n > self.limit:
-                return False
-            self.used += n
-            return True
-
-    def free(self, n: int) -> None:
-        with self._lock:
-            self.used -= n
-
-
-_process_budget: HostBudget | None = None
-
-
-def process_host_budget(limit: int) -> HostBudget:
-    """The process-wide host tier (created with `limit` on first use)."""
-    global _process_budget
-    if _process_budget is None:
-        _process_budget = HostBudget(limit)
-    return _process_budget
 
 
 Spill = Callable[[int, int], dict]  # (slot index, n_tok) -> host arrays of that slot's first n_tok

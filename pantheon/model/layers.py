@@ -59,6 +59,10 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE)
         rows = math.prod(x.shape[:-1])
         # K-quants against rounded activations (the kernel multiplies them with f32 only), and
         # long exact prefill chunks (compute-bound: XLA's GEMM) dequantize this one matrix here.
+        # Rounded activations otherwise always go through the kernel, however many rows: its
+        # integer dot products are llama.cpp's own arithmetic, row by row, where an f32 GEMM over
+        # the same rounded activations sums in another order and flips roundings downstream (a
+        # Q8_0 qwen3 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 here).
         if (w.qtype in K_TYPES and scheme != NONE) or (scheme == NONE and rows > KERNEL_MAX_ROWS):
             x = quantize_activations(x, scheme)
             dense = dequantize_native(w).T  # [in, out], as f32 weights are held

@@ -1,12 +1,12 @@
 """GGUF tensors -> a params pytree of device arrays.
 
 CPU path (f32, native kernel built): the matrices stay as the file holds them. Every matrix of a
-type the native kernel reads (pantheon/native/qmatmul.py: Q8_0, Q4_0/Q4_1 with their nibbles
-widened to bytes, and the K-quants Q2_K..Q6_K as they are) is a QMatrix of its blocks, the only
+type the native kernel reads (pantheon/native/qmatmul.py: Q8_0, Q4_0/Q4_1 and the K-quants
+Q2_K..Q6_K as they are, Q5_0/Q5_1 with each code in a byte) is a QMatrix of its blocks, the only
 copy: decode and short prefill chunks read the blocks in the kernel, longer prefill chunks
 dequantize one matrix at a time inside the program and run XLA's f32 GEMM (layers.linear). Other
-matrices (F32/F16/BF16, Q5_0/Q5_1, ...) are f32, stored [in, out] (x @ W), which XLA:CPU's GEMV
-streams faster than x @ W^T. `params["layers"]` is a list with one dict per layer. A GPU (bf16) or
+matrices (F32/F16/BF16) are f32, stored [in, out] (x @ W), which XLA:CPU's GEMV streams faster
+than x @ W^T. `params["layers"]` is a list with one dict per layer. A GPU (bf16) or
 a mesh of dies: every matrix in the compute dtype (the quantized-weights work for those is open)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
 
 def load_blocks(g: GGUFFile, name: str, int8: bool = False) -> native.QMatrix | None:
     """A matrix [out, in] as quant blocks (host uint8 [out, row bytes]), where the native kernel
-    reads its type (pantheon/native/qmatmul.py): 4-bit blocks with their nibbles unpacked to bytes
+    reads its type (pantheon/native/qmatmul.py): Q5_0/Q5_1 with each code in its own byte
     (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None. `int8`: for the
     kernel's 8-bit-activation products (llamacpp numerics), which it has for 32-weight blocks only."""
     info = g.tensor_info(name)
@@ -162,10 +162,9 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     put = lambda tree: jax.device_put(tree, device)  # noqa: E731
     layers = []
     for i in range(spec.n_layer):
-        small = {k: a for k, a in _layer_tensors(g, spec, i, matrices=False).items()}
         mats = {k: m if isinstance(m, native.QMatrix) else np.ascontiguousarray(m.T)
                 for k, m in _matrices(g, spec, i, blocks_or_f32).items()}
-        layers.append(put({**small, **fuse_projections(mats, fusing)}))
+        layers.append(put({**_layer_tensors(g, spec, i, matrices=False), **fuse_projections(mats, fusing)}))
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
     head = load_blocks(g, head_name, int8)
     params = {"head": put(head) if head is not None else put(np.ascontiguousarray(load_tensor(g, head_name).T)),
@@ -173,16 +172,6 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     if not spec.tied_embeddings:  # looked up by row: blocks where the kernel's types allow, else f32 [V, E]
         table = load_blocks(g, "token_embd.weight")
         params["embed"] = put(table if table is not None else load_tensor(g, "token_embd.weight"))
-    return params
-
-
-def prefill_view(params: dict) -> dict:
-    """The params the prefill programs read (all of them: one copy of every matrix)."""
-    return params
-
-
-def decode_view(params: dict) -> dict:
-    """The params the decode programs read (all of them: one copy of every matrix)."""
     return params
 
 

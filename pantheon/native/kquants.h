@@ -143,6 +143,11 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
   }
 }
 
+// Codes 8v..8v+7 of a decoded super-block as f32.
+inline v8f code_f32(const SuperBlock& sb, int v) {
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb.q + 8 * v))));
+}
+
 // R rows m0.. of output column n against a row of K-quant super-blocks. Per super-block: its codes
 // as f32 (once, for all R rows), then per row and sub-block the f32 dot of codes and x, scaled:
 // acc += scale * dot, and the min term min * sum(x over the sub-block) beside it. A row's sums run
@@ -161,17 +166,14 @@ inline void ktile(const float* x, const float* xsum, const uint8_t* wrow, float*
   for (int64_t j = 0; j < nsb; ++j) {
     _mm_prefetch(reinterpret_cast<const char*>(wrow + j * bb) + 1024, _MM_HINT_T0);
     codes_k<t>(wrow + j * bb, sb);
-    const auto code = [&](int v) {  // codes 8v..8v+7 as f32
-      return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb.q + 8 * v))));
-    };
     if constexpr (R > 1)  // converted once for the tile's rows (one row converts as it multiplies)
-      for (int v = 0; v < 32; ++v) c[v] = code(v);
+      for (int v = 0; v < 32; ++v) c[v] = code_f32(sb, v);
     for (int64_t r = 0; r < R; ++r) {
       const float* xr = x + (m0 + r) * K + j * 256;
       for (int s = 0; s < 32 / per_sub; ++s) {
         const int v0 = s * per_sub;
-        v8f dot = (R > 1 ? c[v0] : code(v0)) * load8(xr + 8 * v0);
-        for (int v = v0 + 1; v < v0 + per_sub; ++v) dot = fma8(R > 1 ? c[v] : code(v), load8(xr + 8 * v), dot);
+        v8f dot = (R > 1 ? c[v0] : code_f32(sb, v0)) * load8(xr + 8 * v0);
+        for (int v = v0 + 1; v < v0 + per_sub; ++v) dot = fma8(R > 1 ? c[v] : code_f32(sb, v), load8(xr + 8 * v), dot);
         acc[r] = fma8(dot, v8f{} + sb.scale[s], acc[r]);
       }
       if constexpr (has_k_min(t)) {

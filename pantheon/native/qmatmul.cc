@@ -301,11 +301,8 @@ void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n
       for (int64_t j = 0; j < K / 256; ++j) {
         codes_k<t>(w + n * row_bytes + j * k_bytes(t), sb);
         float* o = out + n * K + j * 256;
-        for (int v = 0; v < 32; ++v) {
-          const v8f c = (v8f)_mm256_cvtepi32_ps(
-              _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb.q + 8 * v))));
-          store8(o + 8 * v, c * (v8f{} + sb.scale[v / per_sub]) - (v8f{} + sb.min[v / per_sub]));
-        }
+        for (int v = 0; v < 32; ++v)
+          store8(o + 8 * v, code_f32(sb, v) * (v8f{} + sb.scale[v / per_sub]) - (v8f{} + sb.min[v / per_sub]));
       }
   } else {
     const int64_t row_bytes = K / 32 * block_bytes(t);

@@ -2,8 +2,9 @@
 
 XLA:CPU has no quantized matmul, and no int8/bf16 formulation of its own streams faster than f32
 (research/jax_feasibility.md §4); but batch decode reads every weight once per token, so the bytes
-read bound it: SmolLM2-135M is 538 MB as f32, 85 MB as its GGUF's Q4_1/Q8_0 blocks and 150 MB as the
-kernel reads them (4-bit values widened to bytes, `unpack_nibbles`). `qmatmul` is an XLA FFI
+read bound it: SmolLM2-135M is 538 MB as f32, 85 MB as its GGUF's Q4_1/Q8_0 blocks, which the
+kernel reads as they are (Q5_0/Q5_1 it reads with each code in a byte, `unpack_nibbles`; the
+K-quants' super-blocks in kquants.h). `qmatmul` is an XLA FFI
 custom call (qmatmul.cc) that reads the blocks inside the compiled program like any other op, in
 one of two formulations: f32 activations times weights dequantized in registers ("exact"
 numerics), or activations first rounded to 8-bit blocks and integer dot products, as llama.cpp's
@@ -32,7 +33,7 @@ K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 # the program and XLA's f32 GEMM runs (layers.linear); up to it the kernel reads them (a 16-token
 # chunk of the default model: 71 -> 50 ms; at 32 tokens the f32 GEMM is ahead, 99 against 109 ms).
 KERNEL_MAX_ROWS = 16
-# Pantheon's own: Q4_1 with each nibble in a byte (d, m fp16, then 32 x u8), see `unpack_nibbles`
+# Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003
 # type id -> bytes per 32-weight block
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36}

@@ -9,6 +9,8 @@ from typing import Callable
 from quart import Request, Response, request
 from quart.wrappers.request import Body
 
+from pantheon.gguf.reader import clip
+
 # A body that sends nothing for this long is answered 408 request_timeout: a stalled upload holds
 # its worker no longer than hypercorn's keep-alive (header) timeout holds an idle connection.
 BODY_IDLE_S = 5.0
@@ -84,9 +86,7 @@ MAX_ERROR_MESSAGE = 2000  # no error body echoes more of a request or a file tha
 
 
 def error_body(type_: str, message: str, **extra) -> dict:
-    if len(message) > MAX_ERROR_MESSAGE:
-        message = message[:MAX_ERROR_MESSAGE - 40] + f"... ({len(message) - MAX_ERROR_MESSAGE + 40} chars cut)"
-    return {"error": {"message": message, "type": type_, "code": None, **extra}}
+    return {"error": {"message": clip(message, MAX_ERROR_MESSAGE), "type": type_, "code": None, **extra}}
 
 
 def error_response(status: int, type_: str, message: str, headers: dict | None = None, **fields) -> Response:

@@ -33,7 +33,7 @@ def public_row(entry: ModelEntry) -> dict:
     row = {"id": c.name, "object": "model", "created": 0, "owned_by": "pantheon",
            "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "context_window": e.effective_ctx, "tool_choice_required_with_thinking": tool_choice_required_with_thinking(e),
-           "status": "compiling" if e.compiling else "ready"}
+           "status": e.status}
     for key, value in (("graphs", graphs_object(e, False)), ("attention", attention_object(e, False))):
         if value is not None:
             row[key] = value
@@ -47,7 +47,7 @@ def operator_row(entry: ModelEntry) -> dict:
            "max_concurrent_configured": e.max_concurrent_configured,
            "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured,
            # max_sessions bounds the ids on the device; idle ones beyond it wait on the host tier
-           "sessions": e.table.tiers(), "status": "compiling" if e.compiling else "ready"}
+           "sessions": e.table.tiers(), "status": e.status}
     for key, value in (("graphs", graphs_object(e, True)), ("attention", attention_object(e, True))):
         if value is not None:
             row[key] = value

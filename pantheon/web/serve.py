@@ -195,9 +195,8 @@ def serve(args) -> int:
         await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)
 
     asyncio.run(run())
-    errors = app.pantheon.load_errors
-    if errors and not app.pantheon.pool.entries():
-        for failed in errors:
+    if app.pantheon.health_status() == "failed":
+        for failed in app.pantheon.load_errors:
             print(f"pantheon: could not load {failed['model']}: {failed['error']}", file=sys.stderr)
         print("pantheon: no model could be loaded; stopping", file=sys.stderr)
         return 1

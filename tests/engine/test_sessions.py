@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pantheon.engine.sessions import CapacityError, HostBudget, Parked, SlotTable
+from pantheon.engine.host_budget import HostBudget
+from pantheon.engine.sessions import CapacityError, Parked, SlotTable
 
 CTX = 256
 TOKEN_BYTES = 8  # one int64 per position in the fake cache

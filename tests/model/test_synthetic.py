@@ -36,7 +36,7 @@ def test_dense_params_match_the_loader(tmp_path, monkeypatch):
     monkeypatch.setenv("PANTHEON_NATIVE", "0")  # the f32 CPU path adds decode blocks; compare the rest
     g = open_gguf(write_tiny_llama(tmp_path / "l.gguf", weight_type=Q.F32))
     spec = spec_from_gguf(g)
-    loaded = weights.prefill_view(weights.load_params(g, spec, dtype=jnp.bfloat16))
+    loaded = weights.load_params(g, spec, dtype=jnp.bfloat16)
     assert layout(synthetic.dense_params(spec, jnp.bfloat16)) == layout(loaded)
 
 
