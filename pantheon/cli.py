@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from pantheon.config import KV_DTYPE_CHOICES
 from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
 
 
@@ -27,10 +28,16 @@ def _model_path(arg: str | None) -> str:
 def _load_engine(args, ctx_cap: int = 4096, max_sessions: int = 1):
     from pantheon.engine.engine import Engine
 
+    from pantheon.config import ModelConfig
+    from pantheon.engine.pool import ModelPool
+
     path = _model_path(args.model)
-    _phase(f"loading model {path} ({args.numerics} numerics)...")
     configure_jax()
-    return Engine(path, ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics)
+    # refused before the load, as `serve` refuses one (a PoolError: one line, exit 1)
+    ModelPool().admit(ModelConfig(path=path, name=path, ctx_cap=ctx_cap, max_sessions=max_sessions,
+                                  numerics=args.numerics, kv_dtype=args.kv_dtype))
+    _phase(f"loading model {path} ({args.numerics} numerics, {args.kv_dtype} KV)...")
+    return Engine(path, ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics, kv_dtype=args.kv_dtype)
 
 
 def cmd_generate(args) -> int:
@@ -106,7 +113,8 @@ def cmd_bench(args) -> int:
 
 
 def _bench_http(args) -> int:
-    """Against --url, or a server started here for the run (max_concurrent = the largest level)."""
+    """Against --url, or a server started here for the run (max_concurrent = the largest level).
+    Per server: the levels' decode throughput, one long prompt's TTFT, RSS after warm-up and at the end."""
     from pantheon.engine import httpbench
     from pantheon.gguf import open_gguf
     from pantheon.text.tokenizer import Tokenizer
@@ -120,17 +128,25 @@ def _bench_http(args) -> int:
         if not url:
             _phase("starting a server and loading the model...")
             server, url = _start_bench_server(path, max(levels), args)
+        servers = {"pantheon": url} | ({"other": args.against} if args.against else {})
+        pids = {name: httpbench.local_pid(u) for name, u in servers.items()}
+        for u in servers.values():  # warm-up: compile, first touches
+            httpbench.run_level(u, 1, 8, bias, first_prompt=999)
+        warm = {name: httpbench.memory_of(pid) for name, pid in pids.items()}
+        _phase(f"measuring {', '.join(servers)} ({args.runs} runs per level, alternating)...")
+        results = httpbench.compare(servers, levels, args.decode_tokens, bias, runs=args.runs)
+        long = httpbench.long_prompts(servers, args.long_prompt_words, bias, runs=args.runs) if args.long_prompt_words \
+            else {name: httpbench.LongPromptResult(0, float("nan")) for name in servers}
+        end = {name: httpbench.memory_of(pid) for name, pid in pids.items()}
         if args.against:
-            _phase(f"measuring against {args.against} ({args.runs} runs per level, alternating)...")
-            both = httpbench.compare({"pantheon": url, "other": args.against}, levels, args.decode_tokens, bias,
-                                     runs=args.runs)
-            print(httpbench.comparison_table(both["pantheon"], both["other"]))
-            print(httpbench.as_json(both["pantheon"], both["other"]))
-            return 0
-        _phase("compiling (warm-up) and measuring...")
-        results = httpbench.compare({"pantheon": url}, levels, args.decode_tokens, bias, runs=args.runs)["pantheon"]
-        print(httpbench.table(results))
-        print(httpbench.as_json(results))
+            print(httpbench.comparison_table(results["pantheon"], results["other"]))
+        else:
+            print(httpbench.table(results["pantheon"]))
+        print(httpbench.server_table(list(servers), long, warm, end))
+        out = json.loads(httpbench.as_json(results["pantheon"], results.get("other")))
+        out["servers"] = {name: {"long_prompt": {"prompt_tokens": long[name].prompt_tokens, "ttft_ms": long[name].ttft_ms},
+                                 "memory_after_warmup": warm[name], "memory_at_end": end[name]} for name in servers}
+        print(json.dumps(out))
     finally:
         if server is not None:
             server.terminate()
@@ -148,8 +164,8 @@ def _start_bench_server(path: str, concurrency: int, args):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "pantheon", "serve", "--model", path, "--port", str(port),
-           "--max-concurrent", str(concurrency), "--max-sessions", str(concurrency), "--ctx-cap", "1024",
-           "--numerics", args.numerics]
+           "--max-concurrent", str(concurrency), "--max-sessions", str(concurrency), "--ctx-cap", str(args.ctx_cap),
+           "--numerics", args.numerics, "--kv-dtype", args.kv_dtype]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -318,6 +334,8 @@ def _version() -> str:
 NUMERICS_HELP = ("exact: f32 activations, the right answers and batch-invariant; llamacpp: round activations "
                  "to 8-bit blocks as llama.cpp's quantized matmuls do (reproduces llama.cpp's tokens; batch "
                  "composition can flip near-ties)")
+KV_DTYPE_HELP = ("the KV cache's type: auto (on the CPU f16, as llama.cpp, or f32 with --numerics llamacpp; bf16 "
+                 "on a GPU), f32, f16 or bf16 (default: auto)")
 DEFAULT_MODEL_HELP = "GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1, fetched once)"
 
 
@@ -334,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(sp):
         sp.add_argument("--model", type=_gguf_file, help=DEFAULT_MODEL_HELP)
         sp.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
+        sp.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto", help=KV_DTYPE_HELP)
 
     g = add("generate", help="generate a completion for one prompt")
     model_args(g)
@@ -365,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--against", metavar="URL",
                    help="with --concurrency: also measure this OpenAI-compatible server (e.g. llama-server on the "
                         "same model), alternating run by run, and print both with the ratios (default: off)")
+    b.add_argument("--long-prompt-words", type=_non_negative_int, default=1200,
+                   help="with --concurrency: the TTFT of one prompt of this many words (~1500 tokens) per run, "
+                        "alone on each server; 0: off (default: 1200)")
+    b.add_argument("--ctx-cap", type=_positive_int, default=2048,
+                   help="with --concurrency: context per session of the server started here; llama-server's "
+                        "match is -c <ctx-cap x its -np> (default: 2048)")
     b.add_argument("--runs", type=_positive_int, default=3,
                    help="measured runs per level (and per server); the median run is reported (default: 3)")
     b.add_argument("--interleave", type=_positive_int, metavar="N",
@@ -384,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file, repeatable (default: $PANTHEON_MODEL, else the embedded SmolLM2 model); "
                         "a file that fails to load leaves the server up, answering 503 no_models_loaded")
     s.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
+    s.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
+                   help=KV_DTYPE_HELP.replace("(default: auto", "(default: $PANTHEON_KV_DTYPE, else auto"))
     s.add_argument("--name", action="append", default=[],
                    help="served name for the matching --model (default: the file name without .gguf)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -470,10 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and args.command in ("generate", "bench", "serve", "profile"):
         reexec_with_tcmalloc(sys.argv)
     from pantheon.default_model import DefaultModelError
+    from pantheon.engine.pool import PoolError
     from pantheon.gguf.reader import GGUFError
 
     try:
         return args.func(args)
-    except (GGUFError, DefaultModelError) as e:
+    except (GGUFError, DefaultModelError, PoolError) as e:
         print(f"pantheon: {' '.join(str(e).splitlines())}", file=sys.stderr)  # one line
         return 1

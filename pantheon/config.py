@@ -23,8 +23,11 @@ ENV_ROUTER = "PANTHEON_ROUTER"  # a router to register with (serve --router)
 ENV_ADVERTISE = "PANTHEON_ADVERTISE"  # the URL the router reaches this instance at (serve --advertise)
 ENV_WARMUP = "PANTHEON_WARMUP"  # "0": compile on first use instead of at load (tests)
 ENV_ACCESS_LOG = "PANTHEON_ACCESS_LOG"  # text (default), json or off: one line per request (web/observe.py)
+ENV_HOST_MEMORY = "PANTHEON_HOST_MEMORY_BYTES"  # caps the host memory CPU admission plans with
+ENV_KV_DTYPE = "PANTHEON_KV_DTYPE"  # the KV cache's type: auto (default), f32, f16, bf16
 ENV_SESSION_KEY = "PANTHEON_SESSION_KEY"  # seals session blobs (HMAC); unset: a random key per process
 
+KV_DTYPE_CHOICES = ("auto", "f32", "f16", "bf16")  # model/dtypes.kv_cache_dtype
 DEFAULT_CTX_CAP = 4096
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 request_too_large (not session restore)
 
@@ -47,6 +50,7 @@ class ModelConfig:
     dies: tuple[int, ...] | None = None  # device ordinals; None = the die manager's choice
     quantize: bool = False
     numerics: str = "exact"  # batch-invariant f32; "llamacpp" rounds activations like llama.cpp's CPU path
+    kv_dtype: str = "auto"  # model/dtypes.kv_cache_dtype: f16 on the CPU, bf16 on a GPU
 
     @property
     def max_concurrent_configured(self) -> int:
@@ -72,6 +76,14 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The variable's value, one of `choices` (unset: the first)."""
+    value = (os.environ.get(name) or choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """What `pantheon serve` / `hypercorn pantheon.web:app` serves. Built once from CLI flags or the
@@ -86,6 +98,7 @@ class ServeConfig:
     reasoning_budget: int | None = None
     dies: tuple[int, ...] | None = None
     numerics: str = "exact"
+    kv_dtype: str = "auto"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_token: str | None = None  # None: /admin/* open (the contract's default)
     models_dir: str | None = None  # None: /admin/models/load opens any path
@@ -105,13 +118,15 @@ class ServeConfig:
                    admin_token=os.environ.get(ENV_ADMIN_TOKEN) or None,
                    models_dir=os.environ.get(ENV_MODELS_DIR) or None,
                    access_log=(os.environ.get(ENV_ACCESS_LOG) or "text").strip().lower(),
-                   router=os.environ.get(ENV_ROUTER) or None, advertise=os.environ.get(ENV_ADVERTISE) or None)
+                   router=os.environ.get(ENV_ROUTER) or None, advertise=os.environ.get(ENV_ADVERTISE) or None,
+                   kv_dtype=_env_choice(ENV_KV_DTYPE, KV_DTYPE_CHOICES))
 
     def model_config(self, path: str, name: str | None) -> ModelConfig:
         served = name or Path(path).name.removesuffix(".gguf")
         return ModelConfig(path=path, name=served, ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
-                           reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics)
+                           reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics,
+                           kv_dtype=self.kv_dtype)
 
 
 _session_key: bytes | None = None
@@ -128,6 +143,12 @@ def session_key() -> bytes:
             raise ValueError(f"{ENV_SESSION_KEY} must be at least 16 bytes (e.g. 64 hex digits)")
         _session_key = value.encode() if value else secrets.token_bytes(32)
     return _session_key
+
+
+def host_memory_cap() -> int | None:
+    """PANTHEON_HOST_MEMORY_BYTES: the most host memory admission may plan with on the CPU (below
+    MemAvailable: a container's share, or a test's small budget); unset: no cap."""
+    return _env_int(ENV_HOST_MEMORY)
 
 
 def session_key_configured() -> bool:

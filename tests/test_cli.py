@@ -145,3 +145,20 @@ def test_serve_whose_every_model_fails_to_load_exits_1_with_the_reason(tmp_path)
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "could not load bad" in r.stderr and "bad magic" in r.stderr and "no model could be loaded" in r.stderr
+
+
+def test_generate_refuses_a_model_past_the_host_budget_in_one_line(tmp_path):
+    """The CLI admits a model as serve does: past the budget it says so in one line and exits 1,
+    before loading (no traceback, no OOM kill)."""
+    import os
+
+    from tests.fixtures.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    r = subprocess.run([sys.executable, "-m", "pantheon", "generate", "--model", str(path), "--max-tokens", "2", "hi"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PANTHEON_HOST_MEMORY_BYTES": "100000"})
+    assert r.returncode == 1, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("pantheon:")]
+    assert len(lines) == 1 and "admission refused" in lines[0] and "MiB" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and "loading model" not in r.stderr

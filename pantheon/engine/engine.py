@@ -29,7 +29,7 @@ from pantheon.config import session_host_bytes, session_key
 from pantheon.engine.host_budget import HostBudget, process_host_budget
 from pantheon.engine.sessions import CapacityError, Parked, SessionError, SlotTable
 from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
-from pantheon.model.dtypes import backend_of, compute_dtype
+from pantheon.model.dtypes import backend_of, compute_dtype, kv_cache_dtype
 from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
 from pantheon.model.state import POSITIONAL
@@ -76,7 +76,7 @@ class Throughput:
 class Engine:
     def __init__(self, path: str | Path, name: str | None = None, ctx_cap: int = 4096, max_sessions: int = 4,
                  max_concurrent: int = 0, batching: bool = True, queue_depth: int = 32,
-                 numerics: str = "exact", reasoning_budget: int = 0, device=None,
+                 numerics: str = "exact", reasoning_budget: int = 0, device=None, kv_dtype: str = "auto",
                  idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, host_budget: HostBudget | None = None,
                  blob_key: bytes | None = None):
         t0 = time.perf_counter()
@@ -109,8 +109,9 @@ class Engine:
         self.device = device
         self.dtype = compute_dtype(backend_of(device))  # bf16 on a GPU, f32 on the CPU (model/dtypes.py)
         params = family.load_params(self.gguf, self.spec, dtype=self.dtype, device=device, numerics=self.numerics)
+        self.kv_dtype = kv_cache_dtype(backend_of(device), kv_dtype, numerics)  # CPU: f16 (f32 llamacpp); GPU: bf16
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device,
-                                  dtype=self.dtype)
+                                  dtype=self.kv_dtype)
         # Idle sessions move to host memory (the process-wide PN_SESSION_HOST_BYTES budget) rather
         # than lock the model out or lose their KV; see pantheon/engine/sessions.py.
         self.table = SlotTable(n_slots, max_sessions, can_truncate=family.can_truncate, idle_ttl_s=idle_ttl_s,
@@ -166,6 +167,11 @@ class Engine:
         from pantheon.text.tools import dialect_for
 
         return dialect_for(self.name, self.spec.arch, "bos_token" in (self.template.source or ""))
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's type as --kv-dtype names it (f32, f16, bf16)."""
+        return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[np.dtype(self.kv_dtype).name]
 
     @property
     def device_bytes(self) -> int:

@@ -41,6 +41,13 @@ def reference_kernels(static: dict) -> dict:
     return dict(static, kernels=tuple((name, "reference") for name, _ in static["kernels"]))
 
 
+def signature(args: tuple) -> Hashable:
+    """What an executable is compiled for besides its static arguments: the pytree structure (QMatrix
+    types included) and each leaf's shape and dtype."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((tuple(a.shape), str(a.dtype)) if hasattr(a, "shape") else type(a) for a in leaves)
+
+
 @dataclass(frozen=True)
 class GraphKey:
     kind: str  # "prefill", "decode", "sample"
@@ -86,16 +93,18 @@ class GraphRegistry:
         compiled = self.executable(key, fn, args, static)
         return compiled(*args) if compiled is not None else fn(*args, **reference_kernels(static))
 
-    def _slot(self, key: GraphKey, fn: Callable, static: dict) -> _Slot:
+    def _slot(self, key: GraphKey, fn: Callable, args: tuple, static: dict) -> _Slot:
         """key's slot; slots of the same program at the same shapes share one executable."""
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
-                slot = self._slots[key] = _Slot(self._exe(key, fn, static))
+                slot = self._slots[key] = _Slot(self._exe(key, fn, args, static))
             return slot
 
-    def _exe(self, key: GraphKey, fn: Callable, static: dict) -> _Executable:
-        exe_key = (id(fn), key.kind, key.program, key.bucket, tuple(sorted(static.items(), key=str)))
+    def _exe(self, key: GraphKey, fn: Callable, args: tuple, static: dict) -> _Executable:
+        # The arguments' structure and shapes are part of the key: layers of one program may hold
+        # different weights (a Q4_K_M file's Q6_K attn_v in some layers: no fused wqkv there).
+        exe_key = (id(fn), key.kind, key.program, key.bucket, tuple(sorted(static.items(), key=str)), signature(args))
         return self._exes.setdefault(exe_key, _Executable())
 
     def precompile(self, key: GraphKey, fn: Callable, args: tuple, static: dict | None = None) -> None:
@@ -104,7 +113,7 @@ class GraphRegistry:
         the first real call finds its executable live. A failure here is counted like any other."""
         static = static or {}
         with self._lock:
-            exe = self._exe(key, fn, static)
+            exe = self._exe(key, fn, args, static)
         if exe.compiled is None and not exe.gave_up:
             self._compile(key, exe, fn, args, static)
 
@@ -113,7 +122,7 @@ class GraphRegistry:
         available — failed, given up, ineligible or waiting for its retry: the caller then runs its
         fallback (for the full-step program: the per-layer programs)."""
         static = static or {}
-        slot = self._slot(key, fn, static)
+        slot = self._slot(key, fn, args, static)
         slot.calls += 1
         exe = slot.exe
         if slot.ineligible:

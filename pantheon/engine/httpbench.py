@@ -1,7 +1,9 @@
 """`pantheon bench --concurrency 1,4,8 [--against URL]`: aggregate decode throughput and time to
 first token per concurrency level, measured over HTTP (streaming) as clients see it — against one
 server, or against Pantheon and another OpenAI-compatible server (e.g. llama-server) in alternation,
-with the ratios.
+with the ratios. Beside the levels: the time to first token of one long (~1500-token) prompt, and
+each local server's resident memory after warm-up and at its peak (`/proc/PID/status`, the process
+found by the port it listens on).
 
 Every client streams a distinct prompt with the end-of-generation tokens banned by `logit_bias`, so
 each request decodes exactly the asked number of tokens on either server; a level is run `runs`
@@ -10,6 +12,8 @@ times per server (alternating servers run by run) and the median run is reported
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import statistics
 import threading
 import time
@@ -25,8 +29,13 @@ TOPICS = ("a lighthouse keeper who finds a message in a bottle", "a cartographer
           "twins separated by an ocean", "a chess player and a ghost", "the last clockmaker in Prague")
 
 
+# Drawn once per process and put first in every prompt: a server's prompt cache (llama-server keeps
+# finished prompts in host memory) cannot serve a prompt from an earlier bench run.
+RUN_TAG = secrets.token_hex(4)
+
+
 def prompt_for(i: int) -> str:
-    return f"Write a long story about {TOPICS[i % len(TOPICS)]}." + (f" Part {i // len(TOPICS) + 1}." if i >= len(TOPICS) else "")
+    return f"[{RUN_TAG}] Write a long story about {TOPICS[i % len(TOPICS)]}." + (f" Part {i // len(TOPICS) + 1}." if i >= len(TOPICS) else "")
 
 
 @dataclass
@@ -41,7 +50,8 @@ class LevelResult:
     ttft_p95_ms: float
 
 
-def _one(url: str, model: str | None, max_tokens: int, logit_bias: dict, prompt: str, out: list) -> None:
+def _one(url: str, model: str | None, max_tokens: int, logit_bias: dict, prompt: str, out: list,
+         usage_out: dict | None = None) -> None:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.7,
             "stream": True, "stream_options": {"include_usage": True}, "logit_bias": logit_bias}
     if model:
@@ -60,6 +70,8 @@ def _one(url: str, model: str | None, max_tokens: int, logit_bias: dict, prompt:
                     first = time.perf_counter()
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
+                if usage_out is not None:
+                    usage_out.update(ev["usage"])
     end = time.perf_counter()
     out.append((t0, (first or end) - t0, end, tokens or chunks))
 
@@ -88,6 +100,72 @@ def run_level(url: str, concurrency: int, max_tokens: int, logit_bias: dict, mod
                        1000 * statistics.median(ttfts), 1000 * p95)
 
 
+# Words of the long prompt: varied enough that neither server's tokenizer collapses them.
+_WORDS = ("river", "lantern", "copper", "orchard", "violet", "harbor", "meadow", "thunder", "quiet", "marble",
+          "falcon", "ember", "willow", "compass", "velvet", "glacier", "saffron", "timber", "echo", "prairie")
+
+
+def long_prompt_for(i: int, n_words: int) -> str:
+    """A distinct long prompt (its first words differ by i, so no server's prefix cache serves it)."""
+    words = [_WORDS[(i * 7 + j * (j % 5 + 1)) % len(_WORDS)] for j in range(n_words)]
+    return f"[{RUN_TAG}] Request {i}: summarize this list. " + " ".join(words)
+
+
+@dataclass
+class LongPromptResult:
+    prompt_tokens: int
+    ttft_ms: float
+
+
+def long_prompt_ttft(url: str, n_words: int, logit_bias: dict, model: str | None = None, index: int = 0) -> LongPromptResult:
+    """One streaming request with a long prompt alone on the server: time to its first token."""
+    out: list = []
+    _one(url, model, 2, logit_bias, long_prompt_for(index, n_words), out, usage_out := {})
+    return LongPromptResult(usage_out.get("prompt_tokens", 0), 1000 * out[0][1])
+
+
+def local_pid(url: str) -> int | None:
+    """The pid of the local process listening on url's port (Linux /proc), or None."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1") or not parts.port:
+        return None
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in list(f)[1:]:
+                    cols = line.split()
+                    if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == parts.port:  # LISTEN
+                        inodes.add(cols[9])
+        except OSError:
+            continue
+    if not inodes:
+        return None
+    targets = {f"socket:[{i}]" for i in inodes}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in targets:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def memory_of(pid: int | None) -> dict[str, float]:
+    """{"rss_mib", "peak_rss_mib"} of a local process (VmRSS, VmHWM), or {} when it cannot be read."""
+    if pid is None:
+        return {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "peak_rss_mib": int(fields["VmHWM"].split()[0]) / 1024}
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
 def median_run(runs: list[LevelResult]) -> LevelResult:
     """The run with the median aggregate throughput (its TTFTs come with it)."""
     return sorted(runs, key=lambda r: r.aggregate_tok_s)[len(runs) // 2]
@@ -114,6 +192,37 @@ def compare(servers: dict[str, str], levels: list[int], max_tokens: int, logit_b
         for name in servers:
             out[name].append(median_run(measured[name]))
     return out
+
+
+def long_prompts(servers: dict[str, str], n_words: int, logit_bias: dict, runs: int = 3,
+                 models: dict[str, str | None] | None = None, first: int = 1000) -> dict[str, LongPromptResult]:
+    """{server name: the median of `runs` long-prompt TTFTs}, servers alternating, a distinct prompt each."""
+    models = models or {}
+    got: dict[str, list[LongPromptResult]] = {name: [] for name in servers}
+    for r in range(runs):
+        for i, (name, url) in enumerate(servers.items()):
+            got[name].append(long_prompt_ttft(url, n_words, logit_bias, models.get(name), first + r * len(servers) + i))
+    return {name: sorted(rs, key=lambda x: x.ttft_ms)[len(rs) // 2] for name, rs in got.items()}
+
+
+def server_table(names: list[str], long: dict[str, LongPromptResult], warm: dict[str, dict], end: dict[str, dict]) -> str:
+    """Per server: the long prompt's TTFT, RSS after warm-up, RSS and peak RSS at the end (MiB);
+    with two servers, the first's ratio to the second's."""
+    def cell(v):
+        return f"{v:>12.0f}" if isinstance(v, (int, float)) else f"{'-':>12}"
+
+    rows = [f"{'server':>10}  {'prompt tok':>10}  {'TTFT ms':>12}  {'RSS warm MiB':>12}  {'RSS end MiB':>12}  {'peak MiB':>12}"]
+    for n in names:
+        rows.append(f"{n:>10}  {long[n].prompt_tokens:>10}  {cell(long[n].ttft_ms)}  {cell(warm[n].get('rss_mib'))}  "
+                    f"{cell(end[n].get('rss_mib'))}  {cell(end[n].get('peak_rss_mib'))}")
+    if len(names) == 2:
+        a, b = names
+        ratio = lambda x, y: f"{x / y:>12.2f}" if x and y else f"{'-':>12}"  # noqa: E731
+        rows.append(f"{'ratio':>10}  {'':>10}  {ratio(long[a].ttft_ms, long[b].ttft_ms)}  "
+                    f"{ratio(warm[a].get('rss_mib'), warm[b].get('rss_mib'))}  "
+                    f"{ratio(end[a].get('rss_mib'), end[b].get('rss_mib'))}  "
+                    f"{ratio(end[a].get('peak_rss_mib'), end[b].get('peak_rss_mib'))}")
+    return "\n".join(rows)
 
 
 def table(results: list[LevelResult]) -> str:

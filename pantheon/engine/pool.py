@@ -13,15 +13,15 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from pantheon.config import MAX_MODEL_DIES, EngineEnv, ModelConfig
+from pantheon.config import ENV_HOST_MEMORY, MAX_MODEL_DIES, EngineEnv, ModelConfig, host_memory_cap
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes, release_free_memory
 from pantheon.gguf.reader import MAX_MESSAGE, GGUFError, clip, open_gguf
-from pantheon.model.dtypes import compute_dtype, itemsize
+from pantheon.model.dtypes import compute_dtype, itemsize, kv_cache_dtype
 from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
 from pantheon.native import build as native_build
-from pantheon.native.qmatmul import K_TYPES, decode_bytes, supported as qmatmul_supported
+from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
 
 log = logging.getLogger(__name__)
 LOADING, READY, UNLOADING, FAILED = "loading", "ready", "unloading", "failed"
@@ -46,9 +46,9 @@ class ModelEntry:
 Q3K_PLANE_BYTES = 114 / 110
 
 
-def estimate_device_bytes(path: str, ctx: int, n_slots: int, numerics: str = "exact") -> int:
+def estimate_device_bytes(path: str, ctx: int, n_slots: int, kv_dtype: str = "auto", numerics: str = "exact") -> int:
     """The bytes the model in `path` will occupy on its device(s) (`estimate_bytes`), in the
-    compute dtype of this backend (model/dtypes.py: bf16 on a GPU)."""
+    compute dtype of this backend (model/dtypes.py: bf16 on a GPU) and its KV cache type."""
     import jax
 
     g = open_gguf(path)
@@ -63,18 +63,19 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int, numerics: str = "ex
     head_dim = meta("attention.key_length", meta("embedding_length", 0) // n_head)
     tensors = {name: (t.shape, t.ggml_type, t.nbytes) for name, t in g.tensors.items()}
     return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots,
-                          itemsize(compute_dtype(jax.default_backend())), numerics)
+                          itemsize(compute_dtype(jax.default_backend())),
+                          itemsize(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)))
 
 
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
-                   n_slots: int, itemsize: int = 4, numerics: str = "exact") -> int:
+                   n_slots: int, itemsize: int = 4, kv_itemsize: int | None = None) -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
     routed experts whose role stays Q3_K stay in blocks (qwen35moe.q3k_expert_roles: Q3KPlanes), every
     other matrix is dequantized to the compute dtype (`itemsize` bytes; the few kept f32 are
     counted at it too: the router and conv taps are <0.1 % of a model), 1-D tensors stay f32; but
     an f32 dense model on the CPU with the native kernel keeps the matrices the kernel reads in
-    their blocks only (weights._load_resident; K-quants not with llamacpp numerics); plus KV in the
-    compute dtype for n_slots + the scratch slot (every layer counted, an upper bound for the
+    their blocks only (weights._load_resident, either numerics); plus KV of
+    `kv_itemsize` bytes a value (default: the compute dtype's) for n_slots + the scratch slot (every layer counted, an upper bound for the
     hybrid's attention-only KV)."""
     q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items() if expert_role(name))
     resident = arch != "qwen35moe" and itemsize == 4 and native_build.available()
@@ -82,12 +83,11 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     for name, (shape, kind, nbytes) in tensors.items():
         if expert_role(name) in q3k:
             weights += int(nbytes * Q3K_PLANE_BYTES)
-        elif resident and len(shape) == 2 and qmatmul_supported(kind) and not (
-                numerics == "llamacpp" and int(kind) in K_TYPES):
+        elif resident and len(shape) == 2 and qmatmul_supported(kind):
             weights += decode_bytes(kind, nbytes)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)
-    return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * itemsize
+    return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * (kv_itemsize or itemsize)
 
 
 class ModelPool:
@@ -178,6 +178,7 @@ class ModelPool:
                                       max_sessions=config.max_sessions, max_concurrent=config.max_concurrent,
                                       batching=env.batching, queue_depth=env.queue_depth,
                                       numerics=config.numerics, reasoning_budget=config.reasoning_budget,
+                                      kv_dtype=config.kv_dtype,
                                       device=device, idle_ttl_s=env.idle_ttl_s, watch_grace_s=env.watch_grace_s)
                 import jax
 
@@ -216,6 +217,13 @@ class ModelPool:
             entry.engine.stop()
             entry.engine = None
 
+    def admit(self, config: ModelConfig) -> None:
+        """PoolError unless `config`'s model may load: the file exists, its dies are free, and what
+        the load will occupy (`estimate_device_bytes`: the weights as held, KV in its type) fits
+        in 90 % of its target's available memory — checked before a byte is read, so a model that
+        cannot fit is refused with one line instead of an OOM kill mid-load."""
+        self._admit(config)
+
     def _admit(self, config: ModelConfig) -> None:
         if config.dies is not None and len(config.dies) > MAX_MODEL_DIES:
             raise PoolError(400, "invalid_request_error", f"too many dies ({len(config.dies)} > {MAX_MODEL_DIES})")
@@ -233,7 +241,8 @@ class ModelPool:
                                                     "another model")
         try:
             need = estimate_device_bytes(config.path, config.ctx_cap,
-                                         max(config.max_sessions, config.max_concurrent_configured), config.numerics)
+                                         max(config.max_sessions, config.max_concurrent_configured), config.kv_dtype,
+                                         config.numerics)
         except GGUFError as e:
             raise PoolError(500, "load_failed", str(e)) from None
         except (TypeError, ValueError, ArithmeticError):  # odd metadata: the load's spec check names it
@@ -254,7 +263,9 @@ class ModelPool:
         import jax
 
         if jax.default_backend() == "cpu":
-            return meminfo_bytes("MemAvailable", 1 << 62), "host memory"
+            cap = host_memory_cap()
+            have = meminfo_bytes("MemAvailable", 1 << 62)
+            return (have, "host memory") if cap is None or cap >= have else (cap, f"host memory ({ENV_HOST_MEMORY})")
         dies = visible_dies()
         targets = [dies[i] for i in (config.dies or [0]) if 0 <= i < len(dies)]
         used = {}

@@ -34,6 +34,28 @@ def compute_dtype(backend: str, env: str | None = None):
     return _NAMES[value]
 
 
+KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}  # config.KV_DTYPE_CHOICES
+
+
+def kv_cache_dtype(backend: str, name: str = "auto", numerics: str = "exact"):
+    """The KV cache's dtype (--kv-dtype / PANTHEON_KV_DTYPE): `auto` is the compute dtype on a GPU
+    (bf16); on the CPU f16 — llama.cpp's default cache type, half f32's bytes — with `exact`
+    numerics, f32 with `llamacpp` numerics. The native decode attention widens each value to f32
+    exactly as it reads it and every product stays f32, so writing a key or value rounds it to the
+    cache's type (f16: ~5e-4 relative) and nothing else: SmolLM2's logits move by <= 0.015 in
+    `exact`. `llamacpp` numerics round activations to 8 bits, which turns that into flips (up to
+    1.1 in SmolLM2's logits), and ggml's f16 cache path also rounds Q and the probabilities to f16,
+    which this one does not: llama.cpp's tokens are reproduced with f32 (pass f16 to trade that for
+    the memory)."""
+    name = (name or "auto").strip().lower()
+    name = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(name, name)
+    if name == "auto":
+        return jnp.bfloat16 if backend in GPU_BACKENDS else jnp.float32 if numerics == "llamacpp" else jnp.float16
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV cache type {name!r} (auto, f32, f16 or bf16)")
+    return KV_DTYPES[name]
+
+
 def backend_of(device) -> str:
     """The platform of a Device, of a Mesh's dies, or of the default backend (None)."""
     import jax

@@ -31,6 +31,7 @@ from pantheon.pallas import dispatch
 
 ATTENTION_PREFILL, ATTENTION_DECODE, MOE_Q3K, DELTANET = "attention_prefill", "attention_decode", "moe_q3k", "deltanet"
 Kernels = tuple[tuple[str, str], ...]
+NATIVE_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 def attention_kernel(t: int) -> str:
@@ -51,10 +52,11 @@ def choose(wanted: dict[str, bool], dtype=jnp.float32) -> Kernels:
     """{kernel name: whether its Pallas kernel runs this program's shapes} -> the static `kernels`
     argument: dispatch's mode per kernel, "reference" where the kernel cannot run the shapes (the
     native decode attention runs a superset of the Pallas kernel's shapes — head dims % 8 — but
-    only a float32 cache: with a `dtype` (the KV cache's) of another kind it is "reference")."""
+    only a float32, float16 or bfloat16 cache: with a `dtype` (the KV cache's) of another kind it is
+    "reference")."""
     def mode(name: str, ok: bool) -> str:
         chosen = dispatch.kernel_mode(name) if ok else "reference"
-        return "reference" if chosen == "native" and jnp.dtype(dtype) != jnp.float32 else chosen
+        return "reference" if chosen == "native" and jnp.dtype(dtype) not in NATIVE_CACHE_DTYPES else chosen
 
     return tuple(sorted((name, mode(name, ok)) for name, ok in wanted.items()))
 

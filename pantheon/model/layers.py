@@ -9,9 +9,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pantheon.model.numerics import NONE, Q8_0, IntBlocks, int_linear, quantize_activations, silu
+from pantheon.model.numerics import NONE, Q8_0, Q8_K, IntBlocks, int_linear, quantize_activations, silu
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
-from pantheon.native.qmatmul import K_TYPES, KERNEL_MAX_ROWS, QMatrix, dequantize_native, qmatmul
+from pantheon.native.qmatmul import KERNEL_MAX_ROWS, QMatrix, dequantize_native, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
 # implementation, beside its Pallas kernels (pantheon/pallas/attention.py).
 from pantheon.pallas.attention import attention_reference as gqa_attention  # noqa: F401
@@ -57,17 +57,16 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE)
     result is f32 either way."""
     if isinstance(w, QMatrix):
         rows = math.prod(x.shape[:-1])
-        # K-quants against rounded activations (the kernel multiplies them with f32 only), and
-        # long exact prefill chunks (compute-bound: XLA's GEMM) dequantize this one matrix here.
-        # Rounded activations otherwise always go through the kernel, however many rows: its
-        # integer dot products are llama.cpp's own arithmetic, row by row, where an f32 GEMM over
-        # the same rounded activations sums in another order and flips roundings downstream (a
-        # Q8_0 qwen3 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 here).
-        if (w.qtype in K_TYPES and scheme != NONE) or (scheme == NONE and rows > KERNEL_MAX_ROWS):
-            x = quantize_activations(x, scheme)
+        # Long exact prefill chunks (compute-bound: XLA's GEMM) dequantize this one matrix here.
+        # Rounded activations always go through the kernel, however many rows: its integer dot
+        # products are llama.cpp's own arithmetic, row by row, where an f32 GEMM over the same
+        # rounded activations sums in another order and flips roundings downstream (a Q8_0 qwen3
+        # 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 here).
+        if scheme == NONE and rows > KERNEL_MAX_ROWS:
             dense = dequantize_native(w).T  # [in, out], as f32 weights are held
             return jnp.einsum("...i,io->...o", x, dense, preferred_element_type=jnp.float32)
-        return qmatmul(x, w, int8_activations=scheme == Q8_0)  # the kernel rounds x itself (integer dots)
+        # the kernel rounds x itself (Q8_0/Q8_1, or Q8_K against K-quants) and sums integer dots
+        return qmatmul(x, w, int8_activations=scheme in (Q8_0, Q8_K))
     if isinstance(w, IntBlocks):  # loaded for llamacpp numerics: rounds x itself
         return int_linear(x, w)
     x = quantize_activations(x, scheme)

@@ -38,13 +38,12 @@ def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
 
-def load_blocks(g: GGUFFile, name: str, int8: bool = False) -> native.QMatrix | None:
+def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
     """A matrix [out, in] as quant blocks (host uint8 [out, row bytes]), where the native kernel
-    reads its type (pantheon/native/qmatmul.py): Q5_0/Q5_1 with each code in its own byte
-    (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None. `int8`: for the
-    kernel's 8-bit-activation products (llamacpp numerics), which it has for 32-weight blocks only."""
+    reads its type (pantheon/native/qmatmul.py), in both numerics modes: Q5_0/Q5_1 with each code in
+    its own byte (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None."""
     info = g.tensor_info(name)
-    if len(info.shape) != 2 or not native.supported(info.ggml_type) or (int8 and info.ggml_type in native.K_TYPES):
+    if len(info.shape) != 2 or not native.supported(info.ggml_type):
         return None
     blocks, qtype = native.unpack_nibbles(np.asarray(g.tensor_data(name)).reshape(info.shape[0], -1),
                                           int(info.ggml_type))
@@ -151,14 +150,13 @@ def fuse_projections(w: dict, numerics: Numerics) -> dict:
 
 def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | None) -> dict:
     """load_params on the CPU with the native kernel: each matrix the kernel reads (its Q8_0,
-    4-bit and K-quant types; with llamacpp numerics not the K-quants, which it multiplies with f32
-    activations only) is a QMatrix of the file's blocks, read by the kernel for decode and short
-    prefill chunks and dequantized inside the program, one matrix at a time, for longer ones
-    (layers.linear). Other matrices are f32 [in, out]. Loaded and placed layer by layer, so the
-    host holds one layer's arrays at a time."""
-    int8 = numerics is not None and numerics.mode == "llamacpp"
+    4/5-bit and K-quant types) is a QMatrix of the file's blocks, read by the kernel for decode and
+    short prefill chunks (and, with llamacpp numerics, for every chunk: its integer dot products
+    over 8-bit activations are llama.cpp's arithmetic) and dequantized inside the program, one
+    matrix at a time, for longer exact ones (layers.linear). Other matrices are f32 [in, out].
+    Loaded and placed layer by layer, so the host holds one layer's arrays at a time."""
     fusing = numerics_for(g, spec)  # by the file's types, whatever the numerics mode
-    blocks_or_f32 = lambda g, name: load_blocks(g, name, int8) or load_tensor(g, name)  # noqa: E731
+    blocks_or_f32 = lambda g, name: load_blocks(g, name) or load_tensor(g, name)  # noqa: E731
     put = lambda tree: jax.device_put(tree, device)  # noqa: E731
     layers = []
     for i in range(spec.n_layer):
@@ -166,7 +164,7 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
                 for k, m in _matrices(g, spec, i, blocks_or_f32).items()}
         layers.append(put({**_layer_tensors(g, spec, i, matrices=False), **fuse_projections(mats, fusing)}))
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
-    head = load_blocks(g, head_name, int8)
+    head = load_blocks(g, head_name)
     params = {"head": put(head) if head is not None else put(np.ascontiguousarray(load_tensor(g, head_name).T)),
               "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
     if not spec.tied_embeddings:  # looked up by row: blocks where the kernel's types allow, else f32 [V, E]

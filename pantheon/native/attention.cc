@@ -5,7 +5,8 @@
 //
 // Per (row, kv head): scores s = (q * D^-0.5) . k for every key, softmax over them (max, exp, sum),
 // then sum_j p_j v_j / sum_j p_j. Each row is computed alone, in a fixed order, so its result does
-// not depend on its batch-mates.
+// not depend on its batch-mates. The cache may hold f32, f16 or bf16 (--kv-dtype); each value is
+// widened to f32 exactly as it is loaded, and all arithmetic is f32.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -38,10 +39,23 @@ inline v8f exp8(v8f x) {
   return (v8f)_mm256_andnot_ps(under, r);
 }
 
+// Eight cache values as f32, from the cache's element type: f32, f16 (F16C) or bf16 (the upper
+// half of an f32). Both conversions are exact, so a cache's values enter the same arithmetic.
+inline v8f load_kv(const uint16_t* p, std::true_type /*f16*/) {
+  return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+inline v8f load_kv(const uint16_t* p, std::false_type /*bf16*/) {
+  return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+struct F32Cache { using T = float; static v8f load(const float* p) { return load8(p); } };
+struct F16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::true_type{}); } };
+struct BF16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::false_type{}); } };
+
 // One (row, kv head, key chunk): G query heads q [G, D] against n keys/values at k, v (stride
 // `step` floats between positions) -> per head the score max m, the sum l of e^(s - m), and
 // acc = sum_j e^(s_j - m) v_j [G, D]. scores: scratch of G * round_up(n, 8) floats.
-void attend_part(const float* q, const float* k, const float* v, int64_t step, int64_t n, int64_t G, int64_t D,
+template <class Cache, class T = typename Cache::T>
+void attend_part(const float* q, const T* k, const T* v, int64_t step, int64_t n, int64_t G, int64_t D,
                  float* scores, float* m_out, float* l_out, float* acc_out) {
   const int64_t n8 = (n + 7) / 8 * 8, d8 = D / 8;
   const float scale = 1.f / std::sqrt((float)D);
@@ -51,27 +65,27 @@ void attend_part(const float* q, const float* k, const float* v, int64_t step, i
   // Each score is the same sequence of operations either way.
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* kj = k + j * step;
+    const T* kj = k + j * step;
     for (int64_t g = 0; g < G; ++g) {
       const v8f* qg = qs.data() + g * d8;
-      v8f a0 = qg[0] * load8(kj), a1 = qg[0] * load8(kj + step), a2 = qg[0] * load8(kj + 2 * step),
-          a3 = qg[0] * load8(kj + 3 * step);
+      v8f a0 = qg[0] * Cache::load(kj), a1 = qg[0] * Cache::load(kj + step), a2 = qg[0] * Cache::load(kj + 2 * step),
+          a3 = qg[0] * Cache::load(kj + 3 * step);
       for (int64_t c = 1; c < d8; ++c) {
-        a0 = fma8(qg[c], load8(kj + 8 * c), a0);
-        a1 = fma8(qg[c], load8(kj + step + 8 * c), a1);
-        a2 = fma8(qg[c], load8(kj + 2 * step + 8 * c), a2);
-        a3 = fma8(qg[c], load8(kj + 3 * step + 8 * c), a3);
+        a0 = fma8(qg[c], Cache::load(kj + 8 * c), a0);
+        a1 = fma8(qg[c], Cache::load(kj + step + 8 * c), a1);
+        a2 = fma8(qg[c], Cache::load(kj + 2 * step + 8 * c), a2);
+        a3 = fma8(qg[c], Cache::load(kj + 3 * step + 8 * c), a3);
       }
       float* s = scores + g * n8 + j;
       s[0] = hsum(a0), s[1] = hsum(a1), s[2] = hsum(a2), s[3] = hsum(a3);
     }
   }
   for (; j < n; ++j) {
-    const float* kj = k + j * step;
+    const T* kj = k + j * step;
     for (int64_t g = 0; g < G; ++g) {
       const v8f* qg = qs.data() + g * d8;
-      v8f acc = qg[0] * load8(kj);
-      for (int64_t c = 1; c < d8; ++c) acc = fma8(qg[c], load8(kj + 8 * c), acc);
+      v8f acc = qg[0] * Cache::load(kj);
+      for (int64_t c = 1; c < d8; ++c) acc = fma8(qg[c], Cache::load(kj + 8 * c), acc);
       scores[g * n8 + j] = hsum(acc);
     }
   }
@@ -91,9 +105,9 @@ void attend_part(const float* q, const float* k, const float* v, int64_t step, i
     l_out[g] = hsum(sum);
     v8f* a = acc.data() + g * d8;
     for (int64_t j = 0; j < n; ++j) {
-      const float* vj = v + j * step;
+      const T* vj = v + j * step;
       const v8f p = v8f{} + s[j];
-      for (int64_t c = 0; c < d8; ++c) a[c] = fma8(p, load8(vj + 8 * c), a[c]);
+      for (int64_t c = 0; c < d8; ++c) a[c] = fma8(p, Cache::load(vj + 8 * c), a[c]);
     }
     for (int64_t c = 0; c < d8; ++c) store8(acc_out + g * D + 8 * c, a[c]);
   }
@@ -103,9 +117,11 @@ void attend_part(const float* q, const float* k, const float* v, int64_t step, i
 // split depends only on the row's own length), attended in parallel, then merged in order.
 constexpr int64_t kChunk = 1024;
 
-ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> lens,
-                           ffi::ResultBuffer<ffi::F32> out) {
+template <class Cache>
+ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k_cache,
+                        ffi::AnyBuffer& v_cache, ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::S32>& lens,
+                        ffi::ResultBuffer<ffi::F32>& out) {
+  using T = typename Cache::T;
   const auto qd = q.dimensions(), cd = k_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 4) return ffi::Error::InvalidArgument("attention_decode: q [B,H,D], caches [N,C,K,D]");
   const int64_t B = qd[0], H = qd[1], D = qd[2], N = cd[0], C = cd[1], K = cd[2];
@@ -117,8 +133,8 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     if (sp[b] < 0 || sp[b] >= N || lp[b] > C) return ffi::Error::InvalidArgument("attention_decode: slot or length out of range");
   const int64_t G = H / K;
   const float* qp = q.typed_data();
-  const float* kp = k_cache.typed_data();
-  const float* vp = v_cache.typed_data();
+  const T* kp = static_cast<const T*>(k_cache.untyped_data());
+  const T* vp = static_cast<const T*>(v_cache.untyped_data());
   float* op = out->typed_data();
   // Tasks: (row, kv head, chunk); each writes its chunk's m, l and acc, merged below per (row, head).
   std::vector<int64_t> first(B * K + 1, 0);  // first task of each (row, head)
@@ -141,7 +157,7 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       const int64_t base = ((int64_t)sp[b] * C * K + kh) * D;
       const int64_t start = (t - first[i]) * kChunk, n = std::min<int64_t>(kChunk, lp[b] - start);
       scores.resize(G * ((n + 7) / 8 * 8));
-      attend_part(qp + (b * H + kh * G) * D, kp + base + start * K * D, vp + base + start * K * D, K * D, n, G, D,
+      attend_part<Cache>(qp + (b * H + kh * G) * D, kp + base + start * K * D, vp + base + start * K * D, K * D, n, G, D,
                   scores.data(), &ms[t * G], &ls[t * G], &accs[t * G * D]);
     }
   });
@@ -167,6 +183,20 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return ffi::Error::Success();
 }
 
+// The caches' element type picks the loader: f32, f16 or bf16 (--kv-dtype), both caches alike.
+ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> lens,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto type = k_cache.element_type();
+  if (v_cache.element_type() != type) return ffi::Error::InvalidArgument("attention_decode: k and v caches differ in type");
+  switch (type) {
+    case ffi::DataType::F32: return AttendDecode<F32Cache>(pool, q, k_cache, v_cache, slots, lens, out);
+    case ffi::DataType::F16: return AttendDecode<F16Cache>(pool, q, k_cache, v_cache, slots, lens, out);
+    case ffi::DataType::BF16: return AttendDecode<BF16Cache>(pool, q, k_cache, v_cache, slots, lens, out);
+    default: return ffi::Error::InvalidArgument("attention_decode: caches must be f32, f16 or bf16");
+  }
+}
+
 }  // namespace
 }  // namespace pantheon
 
@@ -174,8 +204,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionDecode, pantheon::AttentionDecode
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

@@ -6,6 +6,7 @@
 // sum(x_s), the same value as the dequantized weights' product up to f32 rounding order.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -44,21 +45,27 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
   }
 }
 
+// Q3_K's 16 six-bit sub-block scales (12 bytes at 96), unpacked and centred (-32..31).
+inline void q3k_scales(const uint8_t* b, int8_t s[16]) {
+  uint32_t aux[4];
+  std::memcpy(aux, b + 96, 12);
+  const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
+  aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+  aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+  aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+  aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+  std::memcpy(s, aux, 16);
+  for (int k = 0; k < 16; ++k) s[k] = static_cast<int8_t>(s[k] - 32);
+}
+
 // Q2_K's and Q3_K's sub-block scales (and Q2_K's mins), 16 of each.
 template <int64_t t>
 inline void decode_scales_k(const uint8_t* b, SuperBlock& o) {
   if constexpr (t == kQ3_K) {
     const float d = fp16_at(b + 108);
-    uint32_t aux[4];
-    std::memcpy(aux, b + 96, 12);
-    const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
-    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
     int8_t s[16];
-    std::memcpy(s, aux, 16);
-    for (int k = 0; k < 16; ++k) o.scale[k] = d * static_cast<float>(s[k] - 32), o.min[k] = 0.f;
+    q3k_scales(b, s);
+    for (int k = 0; k < 16; ++k) o.scale[k] = d * static_cast<float>(s[k]), o.min[k] = 0.f;
   } else {
     const uint8_t* sc = b;
     const float d = fp16_at(b + 80), dmin = fp16_at(b + 82);
@@ -203,6 +210,275 @@ inline void kcolumns(int64_t t, const float* x, const float* xsum, const uint8_t
     case kQ4_K: kcolumns<kQ4_K>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kQ5_K: kcolumns<kQ5_K>(x, xsum, w, y, M, N, K, n0, n1); break;
     default: kcolumns<kQ6_K>(x, xsum, w, y, M, N, K, n0, n1); break;
+  }
+}
+
+// ---- 8-bit activations (llamacpp numerics) ----------------------------------------------------
+// As ggml-cpu's vec_dot_q*_K_q8_K: the activations are rounded per 256 to Q8_K (f32 scale, int8
+// codes, int16 sums per 16), and each super-block's dot product is an exact integer sum of code x
+// integer sub-block scale x activation (maddubs/madd) in 8 int32 lanes, and the f32 sums as ggml's
+// AVX2 vec_dot keeps them: per super-block acc += (d_x * d) * lanes (8 f32 lanes), the min term
+// (d_x * dmin) * sum_s(min_s * bsum_s) in 4 lanes of its own (Q4_K/Q5_K; Q2_K's 8 go into acc
+// first), each reduced once at the end — so a rounding of the next layer's activations sees the
+// value llama.cpp's non-repacked kernel computes. The jnp reference (numerics.int_product) scales
+// each block's exact integer total instead: the same up to f32 rounding.
+
+// x rows as Q8_K: quantize_row_q8_K_ref — the scale from the signed extreme (iscale = -127 / max),
+// codes x * iscale rounded to nearest even, capped at 127; d = 1 / iscale.
+inline void quantize_rows_q8k(const float* x, int64_t blocks, int8_t* q, float* d, int16_t* bsums) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* xb = x + i * 256;
+    float amax = 0.f, vmax = 0.f;
+    for (int k = 0; k < 256; ++k) {
+      const float ax = std::fabs(xb[k]);
+      if (ax > amax) amax = ax, vmax = xb[k];
+    }
+    int8_t* qb = q + i * 256;
+    if (amax == 0.f) {
+      d[i] = 0.f;
+      std::memset(qb, 0, 256);
+      std::memset(bsums + i * 16, 0, 32);
+      continue;
+    }
+    const float iscale = -127.f / vmax;
+    for (int k = 0; k < 256; ++k) {
+      const int v = static_cast<int>(std::nearbyint(iscale * xb[k]));
+      qb[k] = static_cast<int8_t>(v < 127 ? v : 127);
+    }
+    for (int s = 0; s < 16; ++s) {
+      int sum = 0;
+      for (int k = 0; k < 16; ++k) sum += qb[16 * s + k];
+      bsums[i * 16 + s] = static_cast<int16_t>(sum);
+    }
+    d[i] = 1.f / iscale;
+  }
+}
+
+struct Q8KRows {
+  const int8_t* q;      // [M, K]
+  const float* d;       // [M, K / 256]
+  const int16_t* bsum;  // [M, K / 16]
+};
+
+// A super-block's integer sub-block scales (and mins) and its fp16 d (and dmin) as f32.
+struct KInts {
+  int16_t sc[16], mn[16];
+  float d, dmin;
+};
+
+template <int64_t t>
+inline void int_scales_k(const uint8_t* b, KInts& o) {
+  o.dmin = 0.f;
+  if constexpr (t == kQ4_K || t == kQ5_K) {
+    o.d = fp16_at(b), o.dmin = fp16_at(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      scale_min_k4(j, b + 4, s, m);
+      o.sc[j] = static_cast<int16_t>(s), o.mn[j] = static_cast<int16_t>(m);
+    }
+  } else if constexpr (t == kQ6_K) {
+    o.d = fp16_at(b + 208);
+    for (int k = 0; k < 16; ++k) o.sc[k] = reinterpret_cast<const int8_t*>(b + 192)[k];
+  } else if constexpr (t == kQ3_K) {
+    o.d = fp16_at(b + 108);
+    int8_t s[16];
+    q3k_scales(b, s);
+    for (int k = 0; k < 16; ++k) o.sc[k] = s[k];
+  } else {  // Q2_K
+    o.d = fp16_at(b + 80), o.dmin = fp16_at(b + 82);
+    for (int k = 0; k < 16; ++k) o.sc[k] = b[k] & 0xF, o.mn[k] = b[k] >> 4;
+  }
+}
+
+// acc += s * lanes (f32), and the final sums of ggml's 8- and 4-lane accumulators.
+inline v8f fma_lanes(float s, __m256i lanes, v8f acc) { return fma8(v8f{} + s, (v8f)_mm256_cvtepi32_ps(lanes), acc); }
+inline __m128 fma_lanes4(float s, __m128i lanes, __m128 acc) {
+  return _mm_fmadd_ps(_mm_set1_ps(s), _mm_cvtepi32_ps(lanes), acc);
+}
+inline float hsum4(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+// 8 int32 lanes -> 4: lane i = lanes 2i + 2i+1 (ggml's madd over 8 mins and 8 pair sums).
+inline __m128i pairs4(__m256i v) {
+  const __m256i h = _mm256_hadd_epi32(v, v);  // per 128-bit half: (0+1, 2+3, 0+1, 2+3)
+  return _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// R rows m0.. of output column n against a row of K-quant super-blocks, 8-bit activations. Codes
+// are decoded once per super-block for the tile; signed codes (Q3_K, Q6_K) multiply as |code| with
+// the sign moved onto the activations (maddubs takes an unsigned first operand), as ggml's Q8_0.
+template <int64_t t, int64_t R>
+inline void ktile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {
+  constexpr int64_t bb = k_bytes(t);
+  constexpr bool sub32 = k_sub(t) == 32, signed_codes = t == kQ3_K || t == kQ6_K;
+  const int64_t nsb = K / 256;
+  v8f acc[R] = {};
+  __m128 accm[R] = {};
+  SuperBlock sb;
+  KInts ki;
+  __m256i w[8], sign[8], scale[8];
+  for (int64_t j = 0; j < nsb; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(wrow + j * bb) + 1024, _MM_HINT_T0);
+    codes_k<t>(wrow + j * bb, sb);
+    int_scales_k<t>(wrow + j * bb, ki);
+    for (int v = 0; v < 8; ++v) {
+      const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(sb.q + 32 * v));
+      if constexpr (signed_codes) {
+        sign[v] = c;
+        w[v] = _mm256_sign_epi8(c, c);
+      } else {
+        w[v] = c;
+      }
+      scale[v] = sub32 ? _mm256_set1_epi16(ki.sc[v])
+                       : _mm256_set_m128i(_mm_set1_epi16(ki.sc[2 * v + 1]), _mm_set1_epi16(ki.sc[2 * v]));
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int8_t* xq = a.q + row * K + j * 256;
+      __m256i isum = _mm256_setzero_si256();
+      for (int v = 0; v < 8; ++v) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * v));
+        if constexpr (signed_codes) xv = _mm256_sign_epi8(xv, sign[v]);
+        // exact: |pair| <= 2 * 63 * 127 < 2^15, and scale * pair sums fit int32
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], xv), scale[v]));
+      }
+      const float dx = a.d[row * nsb + j];
+      if constexpr (has_k_min(t)) {
+        const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + row * (K / 16) + j * 16));
+        if constexpr (sub32) {  // Q5_K: 8 mins, each over two bsums
+          const __m128i mv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ki.mn));
+          const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mv, mv), _mm_unpacklo_epi16(mv, mv));
+          accm[r] = fma_lanes4(-dx * ki.dmin, pairs4(_mm256_madd_epi16(bs, mins)), accm[r]);
+        } else {  // Q2_K: 16 mins, one per bsum
+          const __m256i mins = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ki.mn));
+          acc[r] = fma_lanes(-dx * ki.dmin, _mm256_madd_epi16(bs, mins), acc[r]);
+        }
+      }
+      acc[r] = fma_lanes(dx * ki.d, isum, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + hsum4(accm[r]);
+}
+
+// Q4_K's and Q6_K's 8-bit products, specialised (the bulk of a Q4_K_M file): codes split from the
+// blocks straight into registers, scales unpacked by 32-bit words, no decoded super-block in
+// memory. Their lanes are ktile8's (ggml's), so each output is bit for bit ktile8's.
+
+// Q4_K/Q5_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit mins (scale_min_k4, four at a time).
+inline void k4_scale_bytes(const uint8_t* s12, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t u[3];
+  std::memcpy(u, s12, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  const uint32_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;  // sub-blocks 0-3
+  const uint32_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);  // 4-7: low bits from bytes 8-11
+  const uint32_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+  std::memcpy(sc, &sc_lo, 4), std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4), std::memcpy(mn + 4, &mn_hi, 4);
+}
+
+template <int64_t R>
+inline void q4k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {
+  const int64_t nsb = K / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  v8f acc[R] = {};
+  __m128 accm[R] = {};
+  for (int64_t j = 0; j < nsb; ++j) {
+    const uint8_t* b = wrow + j * k_bytes(kQ4_K);
+    _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+    const float d = fp16_at(b), dmin = fp16_at(b + 2);
+    alignas(16) uint8_t sc[8], mn[8];
+    k4_scale_bytes(b + 4, sc, mn);
+    __m256i lo[4], hi[4], slo[4], shi[4];
+    for (int c = 0; c < 4; ++c) {  // 64 weights: 32 low nibbles (sub-block 2c), 32 high (2c + 1)
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      lo[c] = _mm256_and_si256(raw, m4);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      slo[c] = _mm256_set1_epi16(sc[2 * c]);
+      shi[c] = _mm256_set1_epi16(sc[2 * c + 1]);
+    }
+    const __m128i mv = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv));  // min_s at 2s and 2s + 1
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int8_t* xq = a.q + row * K + j * 256;
+      __m256i isum = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c + 32));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[c], xl), slo[c]));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[c], xh), shi[c]));
+      }
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum + row * (K / 16) + j * 16));
+      const float dx = a.d[row * nsb + j];
+      accm[r] = fma_lanes4(-dx * dmin, pairs4(_mm256_madd_epi16(bs, mins)), accm[r]);
+      acc[r] = fma_lanes(dx * d, isum, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + hsum4(accm[r]);
+}
+
+// Q6_K: the six-bit codes unsigned (0..63) through maddubs, the offset of 32 taken off each pair
+// sum (maddubs of 32 with x) before the scales, as ggml does: its lanes, exactly.
+template <int64_t R>
+inline void q6k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {
+  const int64_t nsb = K / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+  v8f acc[R] = {};
+  for (int64_t j = 0; j < nsb; ++j) {
+    const uint8_t* b = wrow + j * k_bytes(kQ6_K);
+    _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+    const float d = fp16_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    __m256i q[8], s[8];
+    for (int h = 0; h < 2; ++h) {  // 128 weights: ql at 64h, qh at 128 + 32h
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const auto high = [&](int shift) {
+        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), m2), 4);
+      };
+      q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
+      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
+    }
+    for (int v = 0; v < 8; ++v)  // 32 weights: sub-blocks 2v (low half) and 2v + 1
+      s[v] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int8_t* xq = a.q + row * K + j * 256;
+      __m256i isum = _mm256_setzero_si256();
+      for (int v = 0; v < 8; ++v) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * v));
+        const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[v], xv), _mm256_maddubs_epi16(m32, xv));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, s[v]));
+      }
+      acc[r] = fma_lanes(a.d[row * nsb + j] * d, isum, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]);
+}
+
+template <int64_t t>
+void kcolumns8(const Q8KRows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = K / 256 * k_bytes(t);
+  tiled_columns<8>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+    constexpr int64_t r = decltype(R)::value;
+    if constexpr (t == kQ4_K) q4k_tile8<r>(a, w + n * row_bytes, y, N, K, m0, n);
+    else if constexpr (t == kQ6_K) q6k_tile8<r>(a, w + n * row_bytes, y, N, K, m0, n);
+    else ktile8<t, r>(a, w + n * row_bytes, y, N, K, m0, n);
+  });
+}
+
+inline void kcolumns8(int64_t t, const Q8KRows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
+                      int64_t n0, int64_t n1) {
+  switch (t) {
+    case kQ2_K: kcolumns8<kQ2_K>(a, w, y, M, N, K, n0, n1); break;
+    case kQ3_K: kcolumns8<kQ3_K>(a, w, y, M, N, K, n0, n1); break;
+    case kQ4_K: kcolumns8<kQ4_K>(a, w, y, M, N, K, n0, n1); break;
+    case kQ5_K: kcolumns8<kQ5_K>(a, w, y, M, N, K, n0, n1); break;
+    default: kcolumns8<kQ6_K>(a, w, y, M, N, K, n0, n1); break;
   }
 }
 

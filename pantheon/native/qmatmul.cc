@@ -229,18 +229,27 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
   }
 }
 
-// K-quant super-blocks, f32 activations only (kquants.h).
+// K-quant super-blocks (kquants.h): f32 activations, or 8-bit ones rounded to Q8_K.
 ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
                    ffi::ResultBuffer<ffi::F32>& y, int64_t qtype, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   const int64_t M = xd[0], K = xd[1], N = wd[0];
-  if (int8_activations) return ffi::Error::InvalidArgument("qmatmul: K-quants take f32 activations only");
   if (K % 256 != 0 || wd[1] != K / 256 * k_bytes(qtype)) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t threads = M * N * K >= (int64_t{1} << 16) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
+  if (int8_activations) {
+    const int64_t blocks = std::max<int64_t>(M * (K / 256), 1);
+    std::unique_ptr<int8_t[]> q(new int8_t[blocks * 256]);
+    std::unique_ptr<float[]> d(new float[blocks]);
+    std::unique_ptr<int16_t[]> bsum(new int16_t[blocks * 16]);
+    quantize_rows_q8k(xp, M * (K / 256), q.get(), d.get(), bsum.get());
+    const Q8KRows a{q.get(), d.get(), bsum.get()};
+    parallel_for(pool, threads, N, chunk, [&](int64_t n0, int64_t n1) { kcolumns8(qtype, a, wp, yp, M, N, K, n0, n1); });
+    return ffi::Error::Success();
+  }
   const int64_t sub = k_sub(qtype);  // the min terms' sums of x over each sub-block
   std::unique_ptr<float[]> xsum(new float[M * (K / sub) + 1]);
   for (int64_t i = 0; i < M * (K / sub); ++i) {

@@ -129,12 +129,11 @@ def dequantize_native(w: QMatrix) -> jax.Array:
 
 def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
-    x rounded to Q8_0 blocks first (Q8_1 against U4_1), as ggml-cpu does."""
+    x rounded to 8-bit blocks first as ggml-cpu does: Q8_0 (Q8_1 against U4_1/Q4_1), Q8_K (per 256)
+    against K-quants, then integer dot products."""
     if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1) and w.qtype not in K_TYPES:
         raise ValueError(f"qmatmul reads Q4_0, Q4_1, Q8_0, U4_1 and K-quant blocks, not type {w.qtype}: load "
                          "Q5_0/Q5_1 through unpack_nibbles")
-    if int8_activations and w.qtype in K_TYPES:
-        raise ValueError("qmatmul reads K-quants with f32 activations only")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.n_in).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n_out), jnp.float32))
@@ -151,16 +150,21 @@ def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) 
 
     x = x.astype(jnp.float32)
     if int8_activations:
-        return int_linear(x, int_blocks(w))
+        return int_linear(x, int_blocks(w))  # K-quants: x rounded to Q8_K
     dense = dequantize_blocks(w.blocks, w.qtype).reshape(w.n_out, w.n_in)
     return jnp.einsum("...i,oi->...o", x, dense, precision=jax.lax.Precision.HIGHEST)
 
 
 def int_blocks(w: QMatrix):
-    """A Q8_0, Q4_0, Q4_1 or U4_1 QMatrix as numerics.IntBlocks [n_in, n_out] (jnp): w = d * c
-    (+ m per block)."""
+    """A QMatrix as numerics.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block); K-quants
+    through gguf.quants.integer_parts (their integer sub-block scales and mins)."""
     from pantheon.model.numerics import IntBlocks
 
+    if w.qtype in K_TYPES:  # traceable: integer_parts decodes in jnp
+        from pantheon.gguf.quants import SCALE_FIELDS, integer_parts
+
+        c, d, mn, dmin = (None if a is None else a.T for a in integer_parts(w.blocks, w.qtype))
+        return IntBlocks(c, d, mn, dmin, SCALE_FIELDS[w.qtype][2])
     b = w.blocks.reshape(w.n_out, w.n_in // 32, BLOCK_BYTES[w.qtype])
     fp16 = lambda lo: jax.lax.bitcast_convert_type(b[..., lo:lo + 2], jnp.float16).astype(jnp.float32).T  # noqa: E731
     nibbles = lambda qs: jnp.concatenate([qs & 15, qs >> 4], axis=-1)  # noqa: E731 - weights 0-15, then 16-31

@@ -5,6 +5,7 @@ host's available memory on the CPU."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pantheon.config import ModelConfig
@@ -115,3 +116,53 @@ def test_bytes_per_device_survives_buffers_donated_by_a_running_step(tmp_path):
     for a in engine.runner.cache.k + jax.tree_util.tree_leaves(engine.runner.sampler_state):
         a.delete()  # what a donating step leaves behind until it replaces them
     assert engine.bytes_per_device() == before
+
+
+@pytest.mark.parametrize("kv_dtype,itemsize", [("f32", 4), ("f16", 2), ("bf16", 2), ("auto", 2)])
+def test_the_kv_cache_is_charged_in_its_type(tmp_path, kv_dtype, itemsize):
+    from pantheon.engine.engine import Engine
+
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    per_slot = (estimate_device_bytes(str(path), 64, 1, kv_dtype=kv_dtype)
+                - estimate_device_bytes(str(path), 64, 0, kv_dtype=kv_dtype))
+    spec = spec_from_gguf(open_gguf(path))
+    assert per_slot == 2 * spec.n_layer * 64 * spec.n_head_kv * spec.head_dim * itemsize
+    engine = Engine(path, ctx_cap=64, max_sessions=1, kv_dtype=kv_dtype)
+    try:
+        assert engine.kv_bytes == 2 * per_slot  # one session and the scratch slot
+        assert engine.runner.cache.k[0].dtype.itemsize == itemsize
+        assert engine.kv_dtype_name == (kv_dtype if kv_dtype != "auto" else "f16")  # the CPU's default
+    finally:
+        engine.stop()
+
+
+def test_an_unknown_kv_type_is_refused(tmp_path, monkeypatch):
+    from pantheon.config import ENV_KV_DTYPE, ServeConfig
+    from pantheon.model.dtypes import kv_cache_dtype
+
+    with pytest.raises(ValueError, match="q4_0"):
+        kv_cache_dtype("cpu", "q4_0")
+    # auto: f16 on the CPU, f32 with llamacpp numerics (its tokens are llama.cpp's with f32), bf16 on a GPU
+    assert kv_cache_dtype("cpu") == jnp.float16 and kv_cache_dtype("cpu", "auto", "llamacpp") == jnp.float32
+    assert kv_cache_dtype("cuda") == jnp.bfloat16 and kv_cache_dtype("cpu", "f16", "llamacpp") == jnp.float16
+    monkeypatch.setenv(ENV_KV_DTYPE, "q4_0")
+    with pytest.raises(ValueError, match="PANTHEON_KV_DTYPE"):
+        ServeConfig.from_env()
+    monkeypatch.setenv(ENV_KV_DTYPE, "F32")
+    assert ServeConfig.from_env().model_config("m.gguf", None).kv_dtype == "f32"
+
+
+def test_a_model_past_the_host_budget_is_refused_before_loading(tmp_path, monkeypatch):
+    """CPU admission plans with MemAvailable, capped by PANTHEON_HOST_MEMORY_BYTES: a model whose
+    load would not fit is refused (507) before a byte of it is read."""
+    from pantheon.config import ENV_HOST_MEMORY
+
+    path = write_tiny_llama(tmp_path / "m.gguf")
+    config = ModelConfig(path=str(path), name="m", ctx_cap=64, max_sessions=1)
+    need = estimate_device_bytes(str(path), 64, 1)
+    monkeypatch.setenv(ENV_HOST_MEMORY, str(4 * need))
+    ModelPool().admit(config)  # fits
+    monkeypatch.setenv(ENV_HOST_MEMORY, str(need))  # over 90 % of the budget
+    with pytest.raises(PoolError) as e:
+        ModelPool().admit(config)
+    assert e.value.status == 507 and "admission refused" in e.value.message and ENV_HOST_MEMORY in e.value.message

@@ -4,6 +4,7 @@ OpenAI-compatible streaming servers (the real servers are benchmarks, not tests)
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,7 +33,8 @@ def fake_server(delay_s: float, usage: bool):
                 time.sleep(delay_s)
                 send({"choices": [{"index": 0, "delta": {"content": "x"}}]})
             if usage:
-                send({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+                words = len(body["messages"][0]["content"].split())
+                send({"choices": [], "usage": {"completion_tokens": body["max_tokens"], "prompt_tokens": words}})
             self.wfile.write(b"data: [DONE]\n\n")
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -75,3 +77,24 @@ def test_compare_alternates_servers_with_distinct_prompts_and_reports_ratios(ser
 def test_a_failed_request_fails_the_level():
     with pytest.raises(Exception):
         httpbench.run_level("http://127.0.0.1:9", 1, 4, {})
+
+
+def test_long_prompt_ttft_and_each_local_servers_memory(servers):
+    (fast_url, fast_seen), (slow_url, slow_seen) = servers
+    names = {"pantheon": fast_url, "other": slow_url}
+    long = httpbench.long_prompts(names, 60, {"2": -100}, runs=3)
+    prompts = [b["messages"][0]["content"] for b in fast_seen + slow_seen]
+    assert len(prompts) == 6 and len(set(prompts)) == 6  # distinct: no prefix cache answers one
+    assert all(len(p.split()) > 60 for p in prompts) and all(b["stream"] for b in fast_seen)
+    assert long["pantheon"].prompt_tokens > 60 and long["other"].prompt_tokens == 0  # the slow one sends no usage
+    assert all(r.ttft_ms > 0 for r in long.values())
+    # both fake servers listen in this process: found by their ports
+    assert httpbench.local_pid(fast_url) == httpbench.local_pid(slow_url) == os.getpid()
+    assert httpbench.local_pid("http://127.0.0.1:9") is None and httpbench.local_pid("http://example.com:80") is None
+    mem = httpbench.memory_of(os.getpid())
+    assert 0 < mem["rss_mib"] <= mem["peak_rss_mib"]
+    assert httpbench.memory_of(None) == {}
+    text = httpbench.server_table(list(names), long, {"pantheon": mem, "other": {}}, {"pantheon": mem, "other": mem})
+    lines = text.splitlines()
+    assert len(lines) == 4 and lines[-1].split()[0] == "ratio"
+    assert lines[-1].split()[3] == "1.00"  # RSS at the end: the same process's

@@ -95,8 +95,10 @@ def test_smollm2_bf16_within_tolerance_of_f32(smollm2_path, smollm2_cases):
     assert layer["wqkv"].dtype == BF16 and layer["attn_norm"].dtype == F32
     assert "decode" not in runner.params  # the native quant-block kernels serve the f32 path only
     assert runner.cache.k[0].dtype == BF16
-    # the native decode attention reads f32 caches only: a bf16 one is recorded on the reference
-    assert dict(kern.choose({kern.ATTENTION_DECODE: True}, BF16))[kern.ATTENTION_DECODE] in ("reference", "interpret")
+    # the native decode attention reads f32, f16 and bf16 caches; any other type is recorded on the reference
+    assert dict(kern.choose({kern.ATTENTION_DECODE: True}, BF16))[kern.ATTENTION_DECODE] in ("native", "interpret")
+    assert dict(kern.choose({kern.ATTENTION_DECODE: True}, jnp.float64))[kern.ATTENTION_DECODE] in ("reference",
+                                                                                                    "interpret")
     assert runner.attention.kernel_reason() in (None, "no_flash_kernels")
 
 

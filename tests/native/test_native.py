@@ -63,11 +63,11 @@ def test_k_quant_rows_do_not_depend_on_their_batch(qtype):
     rng = np.random.default_rng()
     w, _ = random_matrix(rng, 300, 512, qtype)
     x = jnp.asarray(rng.standard_normal((11, 512)).astype(np.float32))
-    full = np.asarray(jax.jit(qmatmul)(x, w))
-    for m in (1, 2, 3, 4, 5, 8):
-        np.testing.assert_array_equal(np.asarray(jax.jit(qmatmul)(x[:m], w)), full[:m])
-    with pytest.raises(ValueError, match="f32 activations only"):
-        qmatmul(x, w, int8_activations=True)
+    for int8 in (False, True):
+        f = jax.jit(lambda x, w: qmatmul(x, w, int8_activations=int8))
+        full = np.asarray(f(x, w))
+        for m in (1, 2, 3, 4, 5, 8):
+            np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m])
 
 
 @pytest.mark.parametrize("qtype", QTYPES + K_QTYPES, ids=lambda t: t.name)
@@ -81,17 +81,20 @@ def test_native_dequantize_is_the_reference_bit_for_bit(qtype):
     np.testing.assert_array_equal(got, dense)
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES, ids=lambda t: t.name)
 def test_qmatmul_with_8bit_activations_matches_the_reference(qtype):
-    """llamacpp numerics: x rounded to Q8_0/Q8_1 blocks in the kernel, integer dot products. The
-    reference is numerics.int_linear over the blocks' integer parts: the same integer sums, so only
-    the f32 order of the scaled block sums may differ; the rounding itself moves the product far more (checked, so
-    the kernel cannot be quietly computing the f32 product instead)."""
+    """llamacpp numerics: x rounded to Q8_0/Q8_1 blocks (Q8_K per 256 against K-quants) in the
+    kernel, integer dot products. The reference is numerics.int_linear over the blocks' integer
+    parts: the same integer sums, so only the f32 order of the scaled block sums may differ; the
+    rounding itself moves the product far more (checked, so the kernel cannot be quietly computing
+    the f32 product instead)."""
     rng = np.random.default_rng()
-    for n_out, n_in, m in ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)):
+    shapes = (((64, 256, 1), (300, 768, 3), (193, 1536, 9), (1100, 512, 5)) if qtype in K_QTYPES else
+              ((64, 32, 1), (576, 576, 3), (193, 1536, 9), (4100, 96, 5)))
+    for n_out, n_in, m in shapes:
         w, dense = random_matrix(rng, n_out, n_in, qtype)
         x = rng.standard_normal((m, n_in)).astype(np.float32)
-        x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+        x[0, :32 if qtype not in K_QTYPES else 256] = 0.0  # an all-zero block: scale 0, no division by it
         x = jnp.asarray(x)
         got = np.asarray(jax.jit(lambda x, w: qmatmul(x, w, int8_activations=True))(x, w))
         ref = np.asarray(jax.jit(lambda x, w: qmatmul_reference(x, w, int8_activations=True))(x, w))
@@ -186,21 +189,24 @@ def test_unpacked_codes_hold_the_same_weights(qtype):
             qmatmul(jnp.ones((1, 256), jnp.float32), QMatrix(jnp.asarray(packed), int(qtype), 256))
 
 
-def test_attention_decode_matches_the_blocked_reference():
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_attention_decode_matches_the_blocked_reference(cache_dtype):
+    """Every cache type the kernel reads (--kv-dtype): the reference reads the same cache widened."""
     rng = np.random.default_rng()
     # the last case's rows reach past 1024 keys: chunks attended apart, then merged (attention.cc)
     for b, h, k, d, n_slots, c in ((1, 9, 3, 64, 4, 300), (5, 8, 2, 128, 6, 700), (3, 4, 4, 16, 3, 17),
                                    (3, 6, 3, 32, 3, 2600)):
         q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
-        kc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)) * 2, jnp.float32)
-        vc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)), jnp.float32)
+        kc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
+        vc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
         slots = jnp.asarray(rng.integers(0, n_slots, b), jnp.int32)
         pos = rng.integers(0, c, b)
         pos[0] = -1 if b > 1 else pos[0]  # a row that sees no key: zeros
         pos[-1] = c - 1 if c > 2048 else pos[-1]
         pos = jnp.asarray(pos, jnp.int32)
         got = np.asarray(jax.jit(attention_decode)(q, kc, vc, slots, pos + 1))
-        ref = np.asarray(jax.jit(cached_attention_blocked)(q[:, None], kc, vc, slots, pos[:, None])[:, 0])
+        ref = np.asarray(jax.jit(cached_attention_blocked)(q[:, None], kc.astype(jnp.float32), vc.astype(jnp.float32),
+                                                           slots, pos[:, None])[:, 0])
         np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
         one = np.asarray(jax.jit(attention_decode)(q[-1:], kc, vc, slots[-1:], pos[-1:] + 1))
         np.testing.assert_array_equal(one[0], got[-1])  # independent of its batch-mates
@@ -235,12 +241,21 @@ def test_disabled_native_kernels_say_why(monkeypatch):
         dispatch.kernel_mode("attention_decode", "cpu", env="native")
 
 
-@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+# llama-quantize's Q4_K_M: Q6_K attn_v and ffn_down in some layers only, so layer 0 holds wq/wk/wv
+# apart (types differ: no fused wqkv) and layer 1 fused — one program, two weight layouts.
+Q4_K_M_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K}
+
+
+@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q6_K, "Q4_K_M"),
+                         ids=lambda t: getattr(t, "name", t))
 def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_type):
     """On the CPU every matrix the kernel reads is held only as its blocks (weights._load_resident):
     decode reads them in the kernel, long prefill chunks dequantize them in the program. A runner
     over f32 weights (the bf16/mesh loader's form, here in f32) gives the same logits up to
-    summation order and the same greedy tokens."""
+    summation order and the same greedy tokens. Layers of one program may differ in their weights'
+    types (Q4_K_M): each layout gets its own executable."""
+    mix = Q4_K_M_MIX if weight_type == "Q4_K_M" else None
+    weight_type = Q.Q4_K if mix else weight_type
     from pantheon.engine.runner import ModelRunner
     from pantheon.gguf import open_gguf
     from pantheon.model import weights
@@ -249,12 +264,14 @@ def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_ty
     from tests.fixtures.tiny_models import write_tiny_llama
 
     g = open_gguf(write_tiny_llama(tmp_path / "m.gguf", weight_type=weight_type, embd_type=Q.Q8_0, n_layer=2,
-                                   n_embd=256, n_ff=512))
+                                   n_embd=256, n_ff=512, type_overrides=mix))
     spec = spec_from_gguf(g)
     fam = family_of(spec)
     params = fam.load_params(g, spec)
     assert isinstance(params["head"], QMatrix) and "decode" not in params
     assert all(isinstance(m, QMatrix) for layer in params["layers"] for k, m in layer.items() if k.startswith("w"))
+    if mix:
+        assert "wv" in params["layers"][0] and "wqkv" in params["layers"][1]
     dense_params = weights.load_params(g, spec, device=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
     assert not isinstance(dense_params["head"], QMatrix)
     runs = []

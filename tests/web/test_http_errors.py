@@ -120,6 +120,10 @@ def test_admin_models_rows_carry_configured_and_served_numbers(http):
     assert row["max_concurrent"] == row["max_concurrent_configured"] == 4
     assert row["context_window"] == row["context_window_configured"] == 4096
     assert row["vram_bytes"] > 500 * 2**20 and row["path"].endswith(".gguf")
+    # SmolLM2 at 4096 x (4 sessions + scratch), 30 layers, 3 KV heads of 64, f16 (the CPU's default KV type)
+    assert row["kv_dtype"] == "f16" and row["kv_bytes"] == 2 * 30 * 5 * 4096 * 3 * 64 * 2
+    # the rest of vram_bytes: the sampler's per-slot state
+    assert row["weights_bytes"] + row["kv_bytes"] <= row["vram_bytes"] < row["weights_bytes"] + row["kv_bytes"] + 8 * 2**20
     g = row["graphs"]
     assert g["live"] + g["failed"] + g["ineligible"] + g["pending"] == g["total"] > 0 and g["failed"] == 0
     a = row["attention"]

@@ -126,10 +126,10 @@ def test_restore_refuses_tokens_the_blob_was_not_exported_with(server):
 # ---- the host tier's bound --------------------------------------------------------------------------
 def test_the_host_tier_bound_drops_the_least_recently_used_session(tmp_path):
     # tiny llama: 2 layers x (k, v) x 2 heads x 16 x f32 = 512 B/token, 64 positions per parked
-    # conversation = 32 KiB: the 80 000-byte tier holds two.
+    # conversation = 32 KiB: the 80 000-byte tier holds two (an f32 cache, named: the CPU's default is f16).
     path = write_tiny_llama(tmp_path / "tiny.gguf", seed=3)
     srv = ServerProcess(["--model", str(path), "--name", "tiny", "--max-sessions", "1", "--max-concurrent", "1",
-                         "--ctx-cap", "128"], env={"PN_SESSION_HOST_BYTES": "80000"})
+                         "--ctx-cap", "128", "--kv-dtype", "f32"], env={"PN_SESSION_HOST_BYTES": "80000"})
     try:
         url = srv.url
 
