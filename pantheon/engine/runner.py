@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pantheon.engine.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry, abstract
+from pantheon.engine.memory import release_free_memory
 from pantheon.engine.residency import AttentionResidency
 from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
@@ -32,6 +33,7 @@ from pantheon.model.step import full_step
 DECODE_BUCKETS = (1, 2, 4, 8)
 # Prefill is compute-bound: padding costs its full share (SmolLM2 on 2 cores: 16 tokens 54-66 ms,
 # 32: 82-105, 48: 104-109, 64: 128), so short prompts get finer buckets. Each costs one compile.
+RELEASE_AFTER_PROMPT = 1024  # tokens: a prompt this long returns its transient memory when done
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512)
 MIN_KV_BUCKET = 128
 
@@ -332,6 +334,10 @@ class ModelRunner:
             if p.sampling is not None:
                 mask = None if p.mask is None else p.mask[None]
                 out.prefill = self.sample(logits[None], [p.slot], [p.sampling], [p.forced], mask)
+                if p.start + len(p.tokens) >= RELEASE_AFTER_PROMPT:
+                    # its chunks' transient matrices (dequantized per chunk on the CPU) are freed,
+                    # but the allocator keeps the pages: hand them back (1 B Q4_K_M: ~500 MB)
+                    release_free_memory()
         d = work.decode
         if d is not None:
             with jax.profiler.TraceAnnotation("decode_step", batch=len(d.slots)):

@@ -141,6 +141,14 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         self._parse()
 
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the file mapping. A loader that has copied tensors
+        out of it calls this (layer by layer): otherwise every page it read stays in the process's
+        RSS beside the copy (a 1.8 GB Q4_K_M file: 1.8 GB of the load's peak). The data stays
+        readable: a later access faults the page in again from the page cache."""
+        if isinstance(self._mm, mmap.mmap):
+            self._mm.madvise(mmap.MADV_DONTNEED)
+
     def _parse(self) -> None:
         cur = _Cursor(self._mm, self.path)
         if len(self._mm) < 4 or bytes(self._mm[:4]) != MAGIC:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from pantheon.model.numerics import NONE, Q8_0, Q8_K, IntBlocks, int_linear, quantize_activations, silu
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
-from pantheon.native.qmatmul import KERNEL_MAX_ROWS, QMatrix, dequantize_native, qmatmul
+from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
 # implementation, beside its Pallas kernels (pantheon/pallas/attention.py).
 from pantheon.pallas.attention import attention_reference as gqa_attention  # noqa: F401
@@ -62,11 +62,13 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE)
         # products are llama.cpp's own arithmetic, row by row, where an f32 GEMM over the same
         # rounded activations sums in another order and flips roundings downstream (a Q8_0 qwen3
         # 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 here).
-        if scheme == NONE and rows > KERNEL_MAX_ROWS:
+        if scheme == NONE and rows > kernel_rows(w):
             dense = dequantize_native(w).T  # [in, out], as f32 weights are held
             return jnp.einsum("...i,io->...o", x, dense, preferred_element_type=jnp.float32)
-        # the kernel rounds x itself (Q8_0/Q8_1, or Q8_K against K-quants) and sums integer dots
-        return qmatmul(x, w, int8_activations=scheme in (Q8_0, Q8_K))
+        # the kernel rounds x itself (Q8_0/Q8_1, or Q8_K against K-quants) and sums integer dots;
+        # against F16/BF16 rows llama.cpp rounds x to their type, then multiplies in f32
+        int8 = scheme in (Q8_0, Q8_K)
+        return qmatmul(x if int8 else quantize_activations(x, scheme), w, int8_activations=int8)
     if isinstance(w, IntBlocks):  # loaded for llamacpp numerics: rounds x itself
         return int_linear(x, w)
     x = quantize_activations(x, scheme)

@@ -45,8 +45,8 @@ def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
     info = g.tensor_info(name)
     if len(info.shape) != 2 or not native.supported(info.ggml_type):
         return None
-    blocks, qtype = native.unpack_nibbles(np.asarray(g.tensor_data(name)).reshape(info.shape[0], -1),
-                                          int(info.ggml_type))
+    data = np.asarray(g.tensor_data(name))  # F16/BF16 come typed: the kernel reads their bytes
+    blocks, qtype = native.unpack_nibbles(data.view(np.uint8).reshape(info.shape[0], -1), int(info.ggml_type))
     return native.QMatrix(blocks, qtype, int(info.shape[1]))
 
 
@@ -162,7 +162,9 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     for i in range(spec.n_layer):
         mats = {k: m if isinstance(m, native.QMatrix) else np.ascontiguousarray(m.T)
                 for k, m in _matrices(g, spec, i, blocks_or_f32).items()}
-        layers.append(put({**_layer_tensors(g, spec, i, matrices=False), **fuse_projections(mats, fusing)}))
+        layers.append(jax.block_until_ready(put({**_layer_tensors(g, spec, i, matrices=False),
+                                                 **fuse_projections(mats, fusing)})))
+        g.release_pages()  # the layer is copied out: its file pages leave the RSS
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
     head = load_blocks(g, head_name)
     params = {"head": put(head) if head is not None else put(np.ascontiguousarray(load_tensor(g, head_name).T)),
@@ -170,6 +172,8 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     if not spec.tied_embeddings:  # looked up by row: blocks where the kernel's types allow, else f32 [V, E]
         table = load_blocks(g, "token_embd.weight")
         params["embed"] = put(table if table is not None else load_tensor(g, "token_embd.weight"))
+    jax.block_until_ready(params)
+    g.release_pages()
     return params
 
 

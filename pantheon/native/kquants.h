@@ -34,15 +34,18 @@ inline float fp16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Q4_K/Q5_K's 12 bytes of six-bit sub-block scales and mins (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// Q4_K/Q5_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4, four at a time:
+// bytes 0-3 hold scales 0-3, 4-7 mins 0-3, and their top two bits the high bits of sub-blocks 4-7, whose
+// low four bits are in bytes 8-11).
+inline void k4_scale_bytes(const uint8_t* s12, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t u[3];
+  std::memcpy(u, s12, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  const uint32_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;  // sub-blocks 0-3
+  const uint32_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);  // 4-7: low bits from bytes 8-11
+  const uint32_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+  std::memcpy(sc, &sc_lo, 4), std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &mn_lo, 4), std::memcpy(mn + 4, &mn_hi, 4);
 }
 
 // Q3_K's 16 six-bit sub-block scales (12 bytes at 96), unpacked and centred (-32..31).
@@ -83,12 +86,13 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   if constexpr (t == kQ4_K || t == kQ5_K) {
     const float d = fp16_at(b), dmin = fp16_at(b + 2);
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      scale_min_k4(j, b + 4, s, m);
-      o.scale[j] = d * static_cast<float>(s);
-      o.min[j] = dmin * static_cast<float>(m);
-    }
+    alignas(16) uint8_t sc[8], mn[8];
+    k4_scale_bytes(b + 4, sc, mn);
+    const auto f32x8 = [](const uint8_t* v) {
+      return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+    };
+    store8(o.scale, (v8f{} + d) * f32x8(sc));
+    store8(o.min, (v8f{} + dmin) * f32x8(mn));
     const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
     __m256i qh = _mm256_setzero_si256();
     if constexpr (t == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -271,11 +275,9 @@ inline void int_scales_k(const uint8_t* b, KInts& o) {
   o.dmin = 0.f;
   if constexpr (t == kQ4_K || t == kQ5_K) {
     o.d = fp16_at(b), o.dmin = fp16_at(b + 2);
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      scale_min_k4(j, b + 4, s, m);
-      o.sc[j] = static_cast<int16_t>(s), o.mn[j] = static_cast<int16_t>(m);
-    }
+    uint8_t sc[8], mn[8];
+    k4_scale_bytes(b + 4, sc, mn);
+    for (int j = 0; j < 8; ++j) o.sc[j] = sc[j], o.mn[j] = mn[j];
   } else if constexpr (t == kQ6_K) {
     o.d = fp16_at(b + 208);
     for (int k = 0; k < 16; ++k) o.sc[k] = reinterpret_cast<const int8_t*>(b + 192)[k];
@@ -364,18 +366,6 @@ inline void ktile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, i
 // Q4_K's and Q6_K's 8-bit products, specialised (the bulk of a Q4_K_M file): codes split from the
 // blocks straight into registers, scales unpacked by 32-bit words, no decoded super-block in
 // memory. Their lanes are ktile8's (ggml's), so each output is bit for bit ktile8's.
-
-// Q4_K/Q5_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit mins (scale_min_k4, four at a time).
-inline void k4_scale_bytes(const uint8_t* s12, uint8_t sc[8], uint8_t mn[8]) {
-  uint32_t u[3];
-  std::memcpy(u, s12, 12);
-  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  const uint32_t sc_lo = u[0] & m6, mn_lo = u[1] & m6;  // sub-blocks 0-3
-  const uint32_t sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);  // 4-7: low bits from bytes 8-11
-  const uint32_t mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
-  std::memcpy(sc, &sc_lo, 4), std::memcpy(sc + 4, &sc_hi, 4);
-  std::memcpy(mn, &mn_lo, 4), std::memcpy(mn + 4, &mn_hi, 4);
-}
 
 template <int64_t R>
 inline void q4k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {

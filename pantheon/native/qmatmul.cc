@@ -26,7 +26,7 @@ namespace {
 // nibbles), and Pantheon's U4_1 (d, m, 32 x u8: Q5_1 unpacked, qmatmul.unpack_nibbles). A packed
 // block's nibbles are split in registers (low nibbles are weights 0-15, high ones 16-31): the same
 // codes, so the same arithmetic as their unpacked forms, bit for bit.
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kU4_1 = 1003 };
+enum QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kBF16 = 30, kU4_1 = 1003 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -35,8 +35,10 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 constexpr int64_t PREFETCH = 1024;
 
 constexpr int64_t block_bytes(int64_t t) {
-  return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : 0;
+  return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : t == kF16 || t == kBF16 ? 64 : 0;
 }
+// F16/BF16 rows read as blocks of 32 weights with no scale (d = 1): the same tiles, half f32's bytes.
+constexpr bool half(int64_t t) { return t == kF16 || t == kBF16; }
 constexpr bool has_min(int64_t t) { return t == kU4_1 || t == kQ4_1; }  // weight = d * w + m
 constexpr bool packed(int64_t t) { return t == kQ4_0 || t == kQ4_1; }
 
@@ -55,7 +57,9 @@ inline void nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
 // A block's scale d and (U4_1) min m: weight = d * w + m.
 template <int64_t t>
 inline void scales(const uint8_t* b, float& d, float& m) {
-  if constexpr (has_min(t)) {  // d and m, converted together
+  if constexpr (half(t)) {
+    d = 1.f, m = 0.f;
+  } else if constexpr (has_min(t)) {  // d and m, converted together
     uint32_t dm;
     std::memcpy(&dm, b, 4);
     const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
@@ -73,6 +77,13 @@ inline void scales(const uint8_t* b, float& d, float& m) {
 template <int64_t t>
 inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
   scales<t>(b, d, m);
+  if constexpr (half(t)) {  // exact conversions: F16C, or bf16 as the upper half of an f32
+    for (int i = 0; i < 4; ++i) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i));
+      w[i] = t == kF16 ? (v8f)_mm256_cvtph_ps(h) : (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return;
+  }
   if constexpr (packed(t)) {
     __m128i h[2];
     nibbles<t>(b + (has_min(t) ? 4 : 2), h[0], h[1]);
@@ -225,6 +236,8 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
     case kU4_1: columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kQ4_0: columns<kQ4_0>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kQ4_1: columns<kQ4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
+    case kF16: columns<kF16>(x, xsum, w, y, M, N, K, n0, n1); break;
+    case kBF16: columns<kBF16>(x, xsum, w, y, M, N, K, n0, n1); break;
     default: columns<kQ8_0>(x, xsum, w, y, M, N, K, n0, n1); break;
   }
 }
@@ -270,6 +283,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const int64_t M = xd[0], K = xd[1], N = wd[0], bb = block_bytes(qtype);
   if (bb == 0) return ffi::Error::InvalidArgument("qmatmul: unsupported quant type");
   if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
+  if (int8_activations && half(qtype)) return ffi::Error::InvalidArgument("qmatmul: F16/BF16 take f32 activations");
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -341,6 +355,8 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultB
       case kU4_1: dequant_rows<kU4_1>(wp, op, K, n0, n1); break;
       case kQ4_0: dequant_rows<kQ4_0>(wp, op, K, n0, n1); break;
       case kQ4_1: dequant_rows<kQ4_1>(wp, op, K, n0, n1); break;
+      case kF16: dequant_rows<kF16>(wp, op, K, n0, n1); break;
+      case kBF16: dequant_rows<kBF16>(wp, op, K, n0, n1); break;
       case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1); break;
       case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1); break;
       case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1); break;

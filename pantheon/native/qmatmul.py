@@ -26,23 +26,32 @@ import numpy as np
 from pantheon.gguf.quants import dequantize
 
 TARGET = "pantheon_qmatmul"
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8  # ggml type ids the kernel takes from a GGUF
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30  # ggml type ids the kernel takes from a GGUF
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14  # K-quants: 256-weight super-blocks (kquants.h)
 K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 # A product of more rows than this (a prefill chunk) is compute-bound: the blocks are dequantized in
 # the program and XLA's f32 GEMM runs (layers.linear); up to it the kernel reads them (a 16-token
 # chunk of the default model: 71 -> 50 ms; at 32 tokens the f32 GEMM is ahead, 99 against 109 ms).
+# A large matrix costs more to dequantize: from LARGE_MATRIX weights the kernel takes up to twice
+# the rows (an 8192 x 2048 matrix at 32 rows, f32 activations: Q4_K 22 against 31 ms, Q6_K 25
+# against 35, Q8_0 18 against 31; at 64 rows the GEMM is level or ahead).
 KERNEL_MAX_ROWS = 16
+LARGE_MATRIX = 1 << 22
+
+
+def kernel_rows(w: "QMatrix") -> int:
+    """The most rows of f32 activations the kernel multiplies with w (more: dequantize, GEMM)."""
+    return 2 * KERNEL_MAX_ROWS if w.n_in * w.n_out >= LARGE_MATRIX else KERNEL_MAX_ROWS
 # Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003
 # type id -> bytes per 32-weight block
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36, F16: 64, BF16: 64}
 # K type id -> bytes per 256-weight super-block
 SUPER_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-# the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles). The K-quants are
-# read as the file holds them, with f32 activations only ("exact" numerics; `linear` rounds and
-# dequantizes for "llamacpp").
-KERNEL_LAYOUT = {Q4_0: Q4_0, Q4_1: Q4_1, Q5_0: Q8_0, Q5_1: U4_1, Q8_0: Q8_0, **{t: t for t in K_TYPES}}
+# the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles). The K-quants and
+# F16/BF16 rows (blocks of 32 with no scale, f32 activations only) are read as the file holds them.
+KERNEL_LAYOUT = {Q4_0: Q4_0, Q4_1: Q4_1, Q5_0: Q8_0, Q5_1: U4_1, Q8_0: Q8_0, F16: F16, BF16: BF16,
+                 **{t: t for t in K_TYPES}}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -131,9 +140,11 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
     x rounded to 8-bit blocks first as ggml-cpu does: Q8_0 (Q8_1 against U4_1/Q4_1), Q8_K (per 256)
     against K-quants, then integer dot products."""
-    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1) and w.qtype not in K_TYPES:
-        raise ValueError(f"qmatmul reads Q4_0, Q4_1, Q8_0, U4_1 and K-quant blocks, not type {w.qtype}: load "
-                         "Q5_0/Q5_1 through unpack_nibbles")
+    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1, F16, BF16) and w.qtype not in K_TYPES:
+        raise ValueError(f"qmatmul reads F16, BF16, Q4_0, Q4_1, Q8_0, U4_1 and K-quant blocks, not type {w.qtype}: "
+                         "load Q5_0/Q5_1 through unpack_nibbles")
+    if int8_activations and w.qtype in (F16, BF16):
+        raise ValueError("F16/BF16 weights take f32 activations (llamacpp numerics round them to f16/bf16 first)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.n_in).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n_out), jnp.float32))

@@ -25,10 +25,16 @@ def native():
     assert build.available(), build.unavailable_reason()
 
 
+HALF = (Q.F16, Q.BF16)  # rows of 16-bit floats, read by the kernel as blocks of 32 with no scale
+
+
 def random_matrix(rng, n_out: int, n_in: int, qtype) -> tuple[QMatrix, np.ndarray]:
     """A random matrix quantized to `qtype` as the models load it, and its dequantized GGUF values."""
     values = (rng.standard_normal((n_out, n_in)) * rng.uniform(0.01, 2.0)).astype(np.float32)
-    blocks = quantize_np(values, qtype).reshape(n_out, -1)
+    if qtype in HALF:
+        blocks = values.astype(np.float16 if qtype == Q.F16 else jnp.bfloat16).view(np.uint8).reshape(n_out, -1)
+    else:
+        blocks = quantize_np(values, qtype).reshape(n_out, -1)
     dense = dequantize_np(blocks, qtype).reshape(n_out, n_in)
     blocks, layout = unpack_nibbles(blocks, int(qtype))
     return QMatrix(jnp.asarray(blocks), layout, n_in), dense
@@ -37,7 +43,7 @@ def random_matrix(rng, n_out: int, n_in: int, qtype) -> tuple[QMatrix, np.ndarra
 K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # read as the file holds them (kquants.h)
 
 
-@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES + HALF, ids=lambda t: t.name)
 def test_qmatmul_matches_the_reference(qtype):
     """f32 activations against blocks dequantized in the kernel: the GGUF values (ggml's
     dequantize_row_*, transcribed in gguf/quants.py), multiplied in f32. K-quant super-blocks are
@@ -70,7 +76,7 @@ def test_k_quant_rows_do_not_depend_on_their_batch(qtype):
             np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m])
 
 
-@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QTYPES + K_QTYPES + HALF, ids=lambda t: t.name)
 def test_native_dequantize_is_the_reference_bit_for_bit(qtype):
     """Long prefill chunks multiply f32 weights dequantized in the kernel (layers.linear): they must
     be the file's values exactly, as gguf/quants.py's jnp transcription of ggml gives them."""
@@ -104,8 +110,8 @@ def test_qmatmul_with_8bit_activations_matches_the_reference(qtype):
         assert np.abs(got - exact).max() >= 1e-4 * scale  # the activations really were rounded
 
 
-@pytest.mark.parametrize("int8_activations", (False, True), ids=("f32", "int8"))
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype,int8_activations", [(t, i) for t in QTYPES for i in (False, True)] +
+                         [(t, False) for t in HALF], ids=lambda v: getattr(v, "name", {False: "f32", True: "int8"}.get(v)))
 def test_qmatmul_row_does_not_depend_on_its_batch(qtype, int8_activations):
     """Rows go through 8-, 4-, 2-row tiles or alone (qmatmul.cc); a row's result must be bit-identical."""
     rng = np.random.default_rng()
@@ -246,7 +252,7 @@ def test_disabled_native_kernels_say_why(monkeypatch):
 Q4_K_M_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K}
 
 
-@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q6_K, "Q4_K_M"),
+@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.F16, "Q4_K_M"),
                          ids=lambda t: getattr(t, "name", t))
 def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_type):
     """On the CPU every matrix the kernel reads is held only as its blocks (weights._load_resident):
@@ -289,3 +295,9 @@ def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_ty
     assert dense.std() > 0.1
     np.testing.assert_allclose(quant, dense, atol=1e-4, rtol=0)
     assert (quant.argmax(-1) == dense.argmax(-1)).all()
+
+
+def test_half_rows_refuse_8bit_activations():
+    w, _ = random_matrix(np.random.default_rng(), 8, 64, Q.F16)
+    with pytest.raises(ValueError, match="f32 activations"):
+        qmatmul(jnp.ones((1, 64)), w, int8_activations=True)

@@ -125,7 +125,7 @@ def test_a_drained_instances_sessions_resume_warm_on_the_other(pair):
     wait_for(lambda: [m for m in models(router) if m["live"] == 2])
     first = [{"role": "user", "content": "describe a lighthouse at night in a storm"}]
     a = chat(router, "mig-1", first)
-    holder = next(s for s in serves if "session=mig-1" in full_log(s))
+    holder = wait_for(lambda: next((s for s in serves if "session=mig-1" in full_log(s)), None), timeout=10)
     other = next(s for s in serves if s is not holder)
     r = httpx.post(holder.url + "/admin/drain", timeout=60)
     assert r.status_code == 200 and [m["id"] for m in r.json()["moved"]] == ["mig-1"], r.text
@@ -135,7 +135,8 @@ def test_a_drained_instances_sessions_resume_warm_on_the_other(pair):
     turn2 = first + [a["choices"][0]["message"], {"role": "user", "content": "and at dawn?"}]
     b = chat(router, "mig-1", turn2)
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= a["usage"]["prompt_tokens"]
-    assert "session=mig-1" in full_log(other)
+    # the access log line is written as the response ends, a moment after the client has it
+    wait_for(lambda: "session=mig-1" in full_log(other), timeout=10)
     # the drained instance refuses new work itself (a router would retry it elsewhere)
     r = httpx.post(holder.url + "/v1/chat/completions", json={"messages": first, "max_tokens": 1}, timeout=10)
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_shutting_down"
