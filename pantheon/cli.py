@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from pantheon.config import KV_DTYPE_CHOICES
 from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
@@ -127,7 +126,8 @@ def _bench_http(args) -> int:
     try:
         if not url:
             _phase("starting a server and loading the model...")
-            server, url = _start_bench_server(path, max(levels), args)
+            server, url = httpbench.start_server(path, max(levels), ["--ctx-cap", str(args.ctx_cap), "--numerics",
+                                                                     args.numerics, "--kv-dtype", args.kv_dtype])
         servers = {"pantheon": url} | ({"other": args.against} if args.against else {})
         pids = {name: httpbench.local_pid(u) for name, u in servers.items()}
         for u in servers.values():  # warm-up: compile, first touches
@@ -152,34 +152,6 @@ def _bench_http(args) -> int:
             server.terminate()
             server.wait(timeout=60)
     return 0
-
-
-def _start_bench_server(path: str, concurrency: int, args):
-    import socket
-    import subprocess
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pantheon", "serve", "--model", path, "--port", str(port),
-           "--max-concurrent", str(concurrency), "--max-sessions", str(concurrency), "--ctx-cap", str(args.ctx_cap),
-           "--numerics", args.numerics, "--kv-dtype", args.kv_dtype]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).json()["data"]:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("the bench server exited during start-up")
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("the bench server did not come up in 300 s")
 
 
 def cmd_router(args) -> int:

@@ -29,7 +29,7 @@ from pantheon.config import session_host_bytes, session_key
 from pantheon.engine.host_budget import HostBudget, process_host_budget
 from pantheon.engine.sessions import CapacityError, Parked, SessionError, SlotTable
 from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
-from pantheon.model.dtypes import backend_of, compute_dtype, kv_cache_dtype
+from pantheon.model.dtypes import backend_of, compute_dtype, kv_cache_dtype, kv_dtype_name
 from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
 from pantheon.model.state import POSITIONAL
@@ -171,7 +171,7 @@ class Engine:
     @property
     def kv_dtype_name(self) -> str:
         """The KV cache's type as --kv-dtype names it (f32, f16, bf16)."""
-        return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[np.dtype(self.kv_dtype).name]
+        return kv_dtype_name(self.kv_dtype)
 
     @property
     def device_bytes(self) -> int:

@@ -124,6 +124,34 @@ def long_prompt_ttft(url: str, n_words: int, logit_bias: dict, model: str | None
     return LongPromptResult(usage_out.get("prompt_tokens", 0), 1000 * out[0][1])
 
 
+def start_server(path: str, concurrency: int, serve_args: list[str]):
+    """`pantheon serve` of `path` on a free local port, for `concurrency` clients at once (as many
+    sessions), with `serve_args` beside; returns (process, url) once it lists the model."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pantheon", "serve", "--model", path, "--port", str(port),
+           "--max-concurrent", str(concurrency), "--max-sessions", str(concurrency), *serve_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).json()["data"]:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("the bench server exited during start-up")
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the bench server did not come up in 300 s")
+
+
 def local_pid(url: str) -> int | None:
     """The pid of the local process listening on url's port (Linux /proc), or None."""
     from urllib.parse import urlsplit

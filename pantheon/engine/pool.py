@@ -148,7 +148,7 @@ class ModelPool:
     # ---- load / unload ------------------------------------------------------------------------------
     def load(self, config: ModelConfig) -> ModelEntry:
         """Blocking; run it off the event loop."""
-        self._admit(config)
+        self.admit(config)
         with self._lock:
             for existing in self._entries.values():
                 if existing.config.name != config.name:
@@ -222,9 +222,6 @@ class ModelPool:
         the load will occupy (`estimate_device_bytes`: the weights as held, KV in its type) fits
         in 90 % of its target's available memory — checked before a byte is read, so a model that
         cannot fit is refused with one line instead of an OOM kill mid-load."""
-        self._admit(config)
-
-    def _admit(self, config: ModelConfig) -> None:
         if config.dies is not None and len(config.dies) > MAX_MODEL_DIES:
             raise PoolError(400, "invalid_request_error", f"too many dies ({len(config.dies)} > {MAX_MODEL_DIES})")
         if not os.path.isfile(config.path):

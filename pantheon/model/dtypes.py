@@ -35,6 +35,12 @@ def compute_dtype(backend: str, env: str | None = None):
 
 
 KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}  # config.KV_DTYPE_CHOICES
+_KV_LONG_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # numpy's names -> ours
+
+
+def kv_dtype_name(dtype) -> str:
+    """A KV cache dtype as --kv-dtype names it (f32, f16, bf16)."""
+    return _KV_LONG_NAMES[jnp.dtype(dtype).name]
 
 
 def kv_cache_dtype(backend: str, name: str = "auto", numerics: str = "exact"):
@@ -48,7 +54,7 @@ def kv_cache_dtype(backend: str, name: str = "auto", numerics: str = "exact"):
     which this one does not: llama.cpp's tokens are reproduced with f32 (pass f16 to trade that for
     the memory)."""
     name = (name or "auto").strip().lower()
-    name = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(name, name)
+    name = _KV_LONG_NAMES.get(name, name)
     if name == "auto":
         return jnp.bfloat16 if backend in GPU_BACKENDS else jnp.float32 if numerics == "llamacpp" else jnp.float16
     if name not in KV_DTYPES:

@@ -61,6 +61,24 @@ inline void q3k_scales(const uint8_t* b, int8_t s[16]) {
   for (int k = 0; k < 16; ++k) s[k] = static_cast<int8_t>(s[k] - 32);
 }
 
+// A Q6_K super-block's 256 six-bit codes, unsigned (0..63, before ggml's -32), in weight order as
+// 8 x 32 bytes: per half of 128 weights, 4 bits from ql (64 bytes at 64h) and 2 from qh (32 at 128 + 32h).
+inline void q6k_codes(const uint8_t* b, __m256i q[8]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const auto high = [&](int shift) {  // ((qh >> shift) & 3) << 4, per byte
+      return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), m2), 4);
+    };
+    q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+    q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+    q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
+    q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
+  }
+}
+
 // Q2_K's and Q3_K's sub-block scales (and Q2_K's mins), 16 of each.
 template <int64_t t>
 inline void decode_scales_k(const uint8_t* b, SuperBlock& o) {
@@ -113,22 +131,11 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
     const float d = fp16_at(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int k = 0; k < 16; ++k) o.scale[k] = d * static_cast<float>(sc[k]), o.min[k] = 0.f;
-    const __m256i m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-    for (int n = 0; n < 2; ++n) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
-      const auto high = [&](int shift) {  // ((h >> shift) & 3) << 4, per byte
-        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), m2), 4);
-      };
-      const auto put = [&](int at, __m256i v) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * n + at), _mm256_sub_epi8(v, off));
-      };
-      put(0, _mm256_or_si256(_mm256_and_si256(l0, m4), high(0)));
-      put(32, _mm256_or_si256(_mm256_and_si256(l1, m4), high(2)));
-      put(64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4)));
-      put(96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6)));
-    }
+    const __m256i off = _mm256_set1_epi8(32);
+    __m256i q[8];
+    q6k_codes(b, q);
+    for (int v = 0; v < 8; ++v)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 32 * v), _mm256_sub_epi8(q[v], off));
   } else if constexpr (t == kQ3_K) {  // 2 low bits from qs, minus 4 where the hmask bit is clear
     decode_scales_k<t>(b, o);
     const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), m2 = _mm256_set1_epi8(3);
@@ -413,7 +420,7 @@ inline void q4k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N
 template <int64_t R>
 inline void q6k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {
   const int64_t nsb = K / 256;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+  const __m256i m32 = _mm256_set1_epi8(32);
   v8f acc[R] = {};
   for (int64_t j = 0; j < nsb; ++j) {
     const uint8_t* b = wrow + j * k_bytes(kQ6_K);
@@ -421,18 +428,7 @@ inline void q6k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N
     const float d = fp16_at(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     __m256i q[8], s[8];
-    for (int h = 0; h < 2; ++h) {  // 128 weights: ql at 64h, qh at 128 + 32h
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      const auto high = [&](int shift) {
-        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), m2), 4);
-      };
-      q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
-      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
-      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
-      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
-    }
+    q6k_codes(b, q);
     for (int v = 0; v < 8; ++v)  // 32 weights: sub-blocks 2v (low half) and 2v + 1
       s[v] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
     for (int64_t r = 0; r < R; ++r) {

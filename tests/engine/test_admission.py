@@ -53,10 +53,10 @@ def test_an_accelerator_admits_against_its_dies_budget(tmp_path, monkeypatch):
     die = lambda budget: [Die(0, 0, "gpu", budget, 0, "device")]
     monkeypatch.setattr(pool_mod, "visible_dies", lambda: die(4 * need))
     pool = ModelPool()
-    pool._admit(config)  # fits
+    pool.admit(config)  # fits
     monkeypatch.setattr(pool_mod, "visible_dies", lambda: die(need // 2))
     with pytest.raises(PoolError) as e:
-        pool._admit(config)
+        pool.admit(config)
     assert e.value.status == 507 and "on dies [0]" in e.value.message
 
 
