@@ -401,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-token", default=None,
                    help="require Authorization: Bearer TOKEN on /admin/* (default $PANTHEON_ADMIN_TOKEN; "
                         "the variable keeps it out of the process list)")
+    s.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY or x-api-key: KEY on the inference routes (default "
+                        "$PANTHEON_API_KEY; unset: open, as the contract serves)")
     s.add_argument("--models-dir", default=None,
                    help="POST /admin/models/load opens only files under this folder (default $PANTHEON_MODELS_DIR)")
     s.add_argument("--log-format", choices=("text", "json"), default=None,

@@ -18,6 +18,7 @@ ENV_TOOL_GRAMMAR = "PANTHEON_TOOL_GRAMMAR"
 ENV_COMPILE_CACHE = "PANTHEON_COMPILE_CACHE"
 ENV_MAX_BODY_BYTES = "PANTHEON_MAX_BODY_BYTES"
 ENV_ADMIN_TOKEN = "PANTHEON_ADMIN_TOKEN"  # set: /admin/* needs Authorization: Bearer <token>
+ENV_API_KEY = "PANTHEON_API_KEY"  # set: the inference routes need Authorization: Bearer <key> or x-api-key
 ENV_MODELS_DIR = "PANTHEON_MODELS_DIR"  # set: /admin/models/load opens only files under it
 ENV_ROUTER = "PANTHEON_ROUTER"  # a router to register with (serve --router)
 ENV_ADVERTISE = "PANTHEON_ADVERTISE"  # the URL the router reaches this instance at (serve --advertise)
@@ -101,6 +102,7 @@ class ServeConfig:
     kv_dtype: str = "auto"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_token: str | None = None  # None: /admin/* open (the contract's default)
+    api_key: str | None = None  # None: the inference routes open (the contract's default)
     models_dir: str | None = None  # None: /admin/models/load opens any path
     access_log: str = "text"  # "text", "json" or "off" (web/observe.py)
     router: str | None = None  # a router's URL to register with (web/registration.py)
@@ -116,6 +118,7 @@ class ServeConfig:
                    max_concurrent=_env_int(ENV_MAX_CONCURRENT), reasoning_budget=_env_int(ENV_REASONING_BUDGET),
                    max_body_bytes=_env_int(ENV_MAX_BODY_BYTES) or DEFAULT_MAX_BODY_BYTES,
                    admin_token=os.environ.get(ENV_ADMIN_TOKEN) or None,
+                   api_key=os.environ.get(ENV_API_KEY) or None,
                    models_dir=os.environ.get(ENV_MODELS_DIR) or None,
                    access_log=(os.environ.get(ENV_ACCESS_LOG) or "text").strip().lower(),
                    router=os.environ.get(ENV_ROUTER) or None, advertise=os.environ.get(ENV_ADVERTISE) or None,

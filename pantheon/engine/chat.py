@@ -91,12 +91,32 @@ def tool_choice_required_with_thinking(engine) -> bool:
     return os.environ.get(ENV_TOOL_GRAMMAR, "").strip() != "0" and engine.tool_dialect is not MINICPM_XML
 
 
-def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
-    """Render, tokenize and constrain `chat` for `engine`. With kv_cap, a prompt that cannot fit
-    (len >= kv_cap) raises PromptOverBudget as soon as that is known: before tokenizing when the
-    rendered text alone is too long, else right after, before any grammar compile."""
+def raw_prompt_ids(engine, chat) -> list[int]:
+    """A raw completion's prompt (no chat template): its token ids as given, or its text tokenized
+    as llama.cpp does (special tokens parsed; BOS as the model says). With a suffix, a
+    fill-in-the-middle prompt in the vocabulary's FIM tokens: [BOS] PRE prefix SUF suffix MID."""
+    tok = engine.tokenizer
+    if not isinstance(chat.prompt, str) and (bad := next((t for t in chat.prompt if not 0 <= t < tok.vocab_size),
+                                                         None)) is not None:
+        raise PlanError(f"prompt token id {bad} is outside the vocabulary [0, {tok.vocab_size})")
+    if chat.suffix is None:
+        if isinstance(chat.prompt, str):
+            return tok.encode(chat.prompt, parse_special=True, add_bos=None if chat.add_special else False)
+        return list(chat.prompt)
+    pre, suf, mid = (tok.special_id(k) for k in ("fim_pre", "fim_suf", "fim_mid"))
+    if None in (pre, suf, mid):
+        raise PlanError("'suffix' needs fill-in-the-middle tokens, and this model's vocabulary has none")
+    prefix = tok.encode(chat.prompt, parse_special=False, add_bos=False) if isinstance(chat.prompt, str) \
+        else list(chat.prompt)
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    return bos + [pre] + prefix + [suf] + tok.encode(chat.suffix, parse_special=False, add_bos=False) + [mid]
+
+
+def render_prompt(engine, chat) -> tuple[str, dict, object, list | None, bool]:
+    """The chat's prompt text in the model's template, with tools in its dialect: (text, the
+    template's kwargs, dialect, tool specs, whether tools are on)."""
     from pantheon.text.chat_template import ChatTemplateError
-    from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, schema_problem, tool_grammar_policy
+    from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, schema_problem
 
     tools_on = bool(chat.tools) and chat.tool_choice != "none"
     messages, dialect, specs = chat.messages, None, None
@@ -118,13 +138,39 @@ def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
         text = engine.render_chat(messages, **kwargs)
     except ChatTemplateError as e:
         raise PlanError(f"chat template rejected the messages: {e}") from None
-    if kv_cap is not None and (at_least := min_prompt_tokens(engine.tokenizer, text)) >= kv_cap:
-        raise PromptOverBudget(at_least, kv_cap, at_least=True)
-    prompt_ids = engine.encode_prompt(text)
-    if kv_cap is not None and len(prompt_ids) >= kv_cap:
-        raise PromptOverBudget(len(prompt_ids), kv_cap)
-    start_in_reasoning = engine.think and text.rstrip().endswith("<think>")
-    think_rule = "open" if start_in_reasoning else ("optional" if engine.think and kwargs["enable_thinking"] else "none")
+    return text, kwargs, dialect, specs, tools_on
+
+
+def count_prompt_tokens(engine, chat) -> int:
+    """The prompt's length in tokens, as a request would prefill it (Anthropic's count_tokens)."""
+    return len(engine.encode_prompt(render_prompt(engine, chat)[0]))
+
+
+def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
+    """Render, tokenize and constrain `chat` for `engine`. With kv_cap, a prompt that cannot fit
+    (len >= kv_cap) raises PromptOverBudget as soon as that is known: before tokenizing when the
+    rendered text alone is too long, else right after, before any grammar compile. A raw prompt
+    (`chat.prompt`, the completions API) skips the template and tools."""
+    from pantheon.text.tools import tool_grammar_policy
+
+    if getattr(chat, "prompt", None) is not None:
+        prompt_ids = raw_prompt_ids(engine, chat)
+        if not prompt_ids:
+            raise PlanError("the prompt is empty")
+        if kv_cap is not None and len(prompt_ids) >= kv_cap:
+            raise PromptOverBudget(len(prompt_ids), kv_cap)
+        text, kwargs, dialect, specs, tools_on = "", {}, None, None, False
+        start_in_reasoning, think = False, False
+    else:
+        text, kwargs, dialect, specs, tools_on = render_prompt(engine, chat)
+        if kv_cap is not None and (at_least := min_prompt_tokens(engine.tokenizer, text)) >= kv_cap:
+            raise PromptOverBudget(at_least, kv_cap, at_least=True)
+        prompt_ids = engine.encode_prompt(text)
+        if kv_cap is not None and len(prompt_ids) >= kv_cap:
+            raise PromptOverBudget(len(prompt_ids), kv_cap)
+        think = engine.think
+        start_in_reasoning = think and text.rstrip().endswith("<think>")
+    think_rule = "open" if start_in_reasoning else ("optional" if think and kwargs["enable_thinking"] else "none")
 
     grammar, status, json_constrained, downgraded = None, None, False, False
     policy = tool_grammar_policy(chat.tool_choice, tools_on) if tools_on else None
@@ -154,7 +200,7 @@ def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
 
     request = GenerationRequest(
         prompt_ids=prompt_ids, choices=[_sampling(chat, i) for i in range(chat.n)],
-        max_tokens=chat.max_tokens, stops=chat.stop, think=engine.think, start_in_reasoning=start_in_reasoning,
+        max_tokens=chat.max_tokens, stops=chat.stop, think=think, start_in_reasoning=start_in_reasoning,
         session_id=chat.session_id, dialect=dialect, tools=specs, grammar=grammar,
         reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0))
     return ChatPlan(request, status, json_constrained, downgraded)

@@ -294,6 +294,19 @@ class Engine:
         self.scheduler.put(("call", (fn, done)))
         return await future
 
+    async def hidden_states(self, ids: list[int]) -> np.ndarray:
+        """The final-normed hidden states [n, E] of `ids` run from position 0 (embeddings), on the
+        device thread between decode steps: one sequence's prefill at a time."""
+        if not 0 < len(ids) <= self.effective_ctx:
+            raise ValueError(f"input of {len(ids)} tokens: embeddings take 1 to {self.effective_ctx} tokens")
+        return await self.call(lambda: self.runner.hidden_states(ids))
+
+    @property
+    def pooling(self) -> str:
+        from pantheon.engine.embedding import pooling_of
+
+        return pooling_of(self.gguf.metadata, self.gguf.metadata.get("general.architecture", ""))
+
     def run_sync(self, request: GenerationRequest, emit: Callable) -> None:
         """Run one request to completion on this thread (the CLI; no server)."""
         self.scheduler.reserve()

@@ -56,6 +56,7 @@ class ChoiceEnd:
     completion_tokens: int
     tool_call_error: dict | None = None  # a call begun but not finished (or invalid)
     grammar_closed: bool | None = None  # constrained choices: did the output complete the grammar
+    stop_string: str | None = None  # the stop string that ended it (Anthropic's stop_sequence)
 
 
 @dataclass

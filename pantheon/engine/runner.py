@@ -171,12 +171,13 @@ class ModelRunner:
         # Key each program by what it is compiled for — the head by all_logits, attention blocks
         # by the kv_len they are traced with (the cache length where they read it in place, see
         # kernels.program_kv_len) — so no identical executable is built twice.
-        bucket = (batch, chunk) + ((static["all_logits"],) if name == "head" else
+        bucket = (batch, chunk) + ((static["all_logits"], static.get("hidden", False)) if name == "head" else
                                    (static["kv_len"],) if "kv_len" in static else ())
         return GraphKey(kind, graph_class(kind, name, batch), bucket, layer if name not in ("embed", "head") else -1,
                         name)
 
-    def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False):
+    def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False,
+                 hidden=False):
         batch, chunk = tokens.shape
         seen: dict[str, int] = {}
         # An injected `step` fault fails this forward at its second layer, after the first layer
@@ -192,7 +193,7 @@ class ModelRunner:
 
         logits, self.cache = self.family.forward(self.params, self.cache, tokens, positions, slots, logit_index,
                                                  spec=self.spec, numerics=self.numerics, kv_len=kv_len,
-                                                 all_logits=all_logits, call=call)
+                                                 all_logits=all_logits, hidden=hidden, call=call)
         return logits
 
     def warm_up(self, progress: Callable[[str], None] = lambda phase: None) -> float:
@@ -235,9 +236,11 @@ class ModelRunner:
                 self.registry.precompile(key, full_step_and_sample, shapes(args), static)
         return time.perf_counter() - t0
 
-    def prefill(self, slot: int, tokens: list[int], start: int, all_logits: bool = False) -> jax.Array:
+    def prefill(self, slot: int, tokens: list[int], start: int, all_logits: bool = False,
+                hidden: bool = False) -> jax.Array:
         """Write `tokens` at positions start.. of `slot`, in chunks. Returns the logits of the last
-        token [V] (or of every token [n, V] with all_logits, for tests and teacher forcing)."""
+        token [V] (or of every token [n, V] with all_logits, for tests and teacher forcing; or the
+        final-normed hidden states of every token [n, E] with hidden, for embeddings)."""
         if start + len(tokens) > self.ctx:
             raise ValueError(f"prefill of {len(tokens)} tokens at {start} exceeds the cache ({self.ctx})")
         outs = []
@@ -250,10 +253,15 @@ class ModelRunner:
             ids[0, :n] = chunk
             positions = (pos + np.arange(t, dtype=np.int32))[None]
             logits = self._forward("prefill", ids, positions, np.array([slot], np.int32),
-                                   np.array([n - 1], np.int32), self.kv_bucket(pos + n), all_logits)
-            outs.append(logits[0, :n] if all_logits else logits[0])
+                                   np.array([n - 1], np.int32), self.kv_bucket(pos + n), all_logits, hidden)
+            outs.append(logits[0, :n] if all_logits or hidden else logits[0])
             pos += n
-        return jnp.concatenate(outs) if all_logits else outs[-1]
+        return jnp.concatenate(outs) if all_logits or hidden else outs[-1]
+
+    def hidden_states(self, tokens: list[int]) -> np.ndarray:
+        """The final-normed hidden states [n, E] of a sequence run from position 0 in the scratch slot
+        (what padding rows write to; no request's KV lives there): the embeddings API's forward."""
+        return np.asarray(self.prefill(self.scratch, tokens, 0, hidden=True))
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> jax.Array:
         """One token for each active slot. Returns logits [bucket, V]; rows past len(slots) are padding.

@@ -411,7 +411,7 @@ class Scheduler:
             if seq.text.n_tool_calls and reason != "repetition_loop":
                 reason = "tool_calls"
             error = seq.text.tool_errors[0].to_dict() if seq.text.tool_errors else None
-            st.emit(ChoiceEnd(seq.index, reason, seq.n, error, seq.grammar_closed))
+            st.emit(ChoiceEnd(seq.index, reason, seq.n, error, seq.grammar_closed, seq.text.stop.matched))
         self._sequence_gone(st)
 
     def _sequence_gone(self, st: RequestState) -> None:

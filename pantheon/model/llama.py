@@ -104,10 +104,13 @@ def attn_tail(w, x, attn, *, spec: ModelSpec, numerics: Numerics):
     return _tail(w, x, attn, spec, numerics)
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
-def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numerics, all_logits: bool):
+@partial(jax.jit, static_argnames=("spec", "numerics", "all_logits", "hidden"))
+def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numerics, all_logits: bool,
+         hidden: bool = False):
     """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits). table: [E, V]
-    (or a QMatrix [V, E])."""
+    (or a QMatrix [V, E]). hidden: the final-normed hidden states [B, T, E] instead (embeddings)."""
+    if hidden:
+        return rms_norm(x, output_norm, spec.rms_eps).astype(jnp.float32)
     if not all_logits:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = rms_norm(x, output_norm, spec.rms_eps)
@@ -124,12 +127,14 @@ def _direct(name: str, fn: Callable, args: tuple, static: dict):
 
 
 def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, spec: ModelSpec,
-            numerics: Numerics, kv_len: int, all_logits: bool = False, call: Callable = _direct):
+            numerics: Numerics, kv_len: int, all_logits: bool = False, hidden: bool = False,
+            call: Callable = _direct):
     """tokens, positions: int32 [B, T]; slots: int32 [B]; logit_index: int32 [B], the position in T
     whose logits are returned (the last real token of each row). kv_len: static number of cache
     positions attended, >= max(positions) + 1. numerics: activation rounding (numerics.py).
 
-    Returns (logits [B, V] — or [B, T, V] when all_logits — and the updated cache). The cache's
+    Returns (logits [B, V] — or [B, T, V] when all_logits, the final-normed hidden states [B, T, E]
+    when hidden — and the updated cache). The cache's
     per-layer buffers are donated and replaced in `cache`'s own lists as each layer runs."""
     tied = "embed" not in params  # the embedding is the head [E, V] (weights.load_params)
     x = call("embed", embed, (params["head"] if tied else params["embed"], tokens), dict(spec=spec, by_column=tied))
@@ -147,5 +152,5 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
         else:
             x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), static)
     logits = call("head", head, (params["head"], params["output_norm"], x, logit_index),
-                  dict(spec=spec, numerics=numerics, all_logits=all_logits))
+                  dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
     return logits, KVCache(ks, vs)

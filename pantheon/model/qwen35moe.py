@@ -363,11 +363,15 @@ def ssm_block(w, conv_state, ssm_state, x, positions, slots, logit_index, *, spe
     return _ffn(w, x + a, spec, numerics, kernels), conv_state, ssm_state
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "all_logits"))
+@partial(jax.jit, static_argnames=("spec", "numerics", "all_logits", "hidden"))
 @_f32_dots
-def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Numerics, all_logits: bool):
+def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Numerics, all_logits: bool,
+         hidden: bool = False):
     """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits). table: the
-    head [V, E] (maybe the embedding), or IntBlocks [E, V]."""
+    head [V, E] (maybe the embedding), or IntBlocks [E, V]. hidden: the final-normed hidden states
+    [B, T, E] instead (embeddings)."""
+    if hidden:
+        return rms_norm(x, output_norm, spec.rms_eps).astype(jnp.float32)
     if not all_logits:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = rms_norm(x, output_norm, spec.rms_eps)
@@ -406,10 +410,12 @@ def _direct(name: str, fn: Callable, args: tuple, static: dict):
 
 
 def forward(params, state: HybridState, tokens, positions, slots, logit_index, *, spec: HybridSpec,
-            numerics: Numerics, kv_len: int, all_logits: bool = False, call: Callable = _direct):
+            numerics: Numerics, kv_len: int, all_logits: bool = False, hidden: bool = False,
+            call: Callable = _direct):
     """tokens, positions: int32 [B, T]; slots: int32 [B]; logit_index: int32 [B] = n_valid - 1 of each
     row (later tokens are padding). kv_len: static number of cache positions attended, >= max valid
-    position + 1. Returns (logits [B, V], or [B, T, V] with all_logits, and the new state). The
+    position + 1. Returns (logits [B, V], or [B, T, V] with all_logits, or the final-normed hidden
+    states [B, T, E] with hidden, and the new state). The
     state's buffers are donated: use the returned state."""
     x = call("embed", embed, (params["embed"], tokens), {})
     # Updated in place, layer by layer, so that a failure mid-forward leaves `state` naming every
@@ -430,5 +436,5 @@ def forward(params, state: HybridState, tokens, positions, slots, logit_index, *
             ia += 1
     table = params.get("output", params["embed"])
     logits = call("head", head, (table, params["output_norm"], x, logit_index),
-                  dict(spec=spec, numerics=numerics, all_logits=all_logits))
+                  dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
     return logits, HybridState(ks, vs, convs, ssms, ctx=state.ctx)

@@ -148,8 +148,21 @@ def create_app(ttl_s: float = 10.0, transport: httpx.AsyncBaseTransport | None =
     async def models():
         return {"object": "list", "data": registry.models()}
 
+    # Every generating (or model-reading) route goes to an instance serving the body's model, the
+    # session's instance first. Kept Responses live on the instance that made them: a chain through
+    # the router stays on one instance when it carries a prompt_cache_key (its session).
     @app.route("/v1/chat/completions", methods=["POST"])
     @app.route("/chat/completions", methods=["POST"])
+    @app.route("/v1/completions", methods=["POST"])
+    @app.route("/completions", methods=["POST"])
+    @app.route("/v1/messages", methods=["POST"])
+    @app.route("/v1/messages/count_tokens", methods=["POST"])
+    @app.route("/v1/responses", methods=["POST"])
+    @app.route("/responses", methods=["POST"])
+    @app.route("/v1/embeddings", methods=["POST"])
+    @app.route("/embeddings", methods=["POST"])
+    @app.route("/tokenize", methods=["POST"])
+    @app.route("/detokenize", methods=["POST"])
     async def chat():
         raw = await request.get_data()
         try:
@@ -157,8 +170,8 @@ def create_app(ttl_s: float = 10.0, transport: httpx.AsyncBaseTransport | None =
         except ValueError:
             return error_response(400, "invalid_request_error", "request body is not valid JSON")
         body = body if isinstance(body, dict) else {}
-        sid = request.headers.get("X-Session-Id") or (body.get("session_id") if isinstance(body.get("session_id"), str)
-                                                      else None)
+        sid = request.headers.get("X-Session-Id") or next(
+            (body[k] for k in ("session_id", "prompt_cache_key") if isinstance(body.get(k), str) and body[k]), None)
         targets = pick(body.get("model"), sid)
         if isinstance(targets, Response):
             return targets

@@ -22,11 +22,14 @@ from pantheon.engine.events import failure_message
 from pantheon.engine.pool import ModelPool, PoolError
 from pantheon.web.errors import ApiError, answer_unknown_routes, error_response, request_class
 from pantheon.web.observe import note
+from pantheon.web.response_store import ResponseStore
 
 log = logging.getLogger("pantheon.web")
 # First path segments behind PANTHEON_ADMIN_TOKEN when it is set: /admin/* and /metrics (which
 # names the loaded models, their sessions and load failures).
 OPERATOR_ROUTES = frozenset({"admin", "metrics"})
+# Paths open even with an API key set: health, for load balancers and probes.
+OPEN_PATHS = frozenset({"/", "/health"})
 
 
 class ServerState:
@@ -44,6 +47,7 @@ class ServerState:
         self.registration = None  # with --router: web/registration.Registration
         self.drained: dict | None = None  # what the router moved when this instance drained
         self.on_all_failed = None  # `pantheon serve`: called when every start-up load failed (it exits)
+        self.responses = ResponseStore()  # kept Responses-API responses (store: true)
 
     def loading(self) -> list[str]:
         """Served names being fetched or loaded: `GET /`'s `loading`; chat answers 503 + Retry-After meanwhile."""
@@ -132,12 +136,15 @@ class ServerState:
 
 
 def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Quart:
-    from pantheon.web import admin_routes, dashboard, metrics, openai_routes, session_routes, test_hooks
+    from pantheon.web import (admin_routes, anthropic_routes, completions_routes, dashboard, embeddings_routes,
+                              metrics, openai_routes, responses_routes, session_routes, test_hooks, tokenize_routes)
     from pantheon.web.observe import AccessLog, configure_access_log
 
     app = Quart("pantheon")
     app.pantheon = state = ServerState(config or ServeConfig.from_env())
-    for bp in (openai_routes.bp, admin_routes.bp, session_routes.bp, test_hooks.bp, metrics.bp, dashboard.bp):
+    for bp in (openai_routes.bp, completions_routes.bp, anthropic_routes.bp, responses_routes.bp,
+               embeddings_routes.bp, tokenize_routes.bp, admin_routes.bp, session_routes.bp, test_hooks.bp, metrics.bp,
+               dashboard.bp):
         app.register_blueprint(bp)
     # One access-log line and the request metrics per request, at the ASGI level: the status sent
     # and the end of the body (a stream's last chunk), whatever route or error produced it.
@@ -193,6 +200,13 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
             if not admin_authorized(request.headers.get("Authorization"), state.config.admin_token):
                 return error_response(401, "unauthorized", "this route needs Authorization: Bearer <admin token> "
                                                            "(PANTHEON_ADMIN_TOKEN)", {"WWW-Authenticate": "Bearer"})
+        operator = any(p.lstrip("/").split("/", 1)[0] in OPERATOR_ROUTES for p in paths)
+        if state.config.api_key and not operator and request.path not in OPEN_PATHS:
+            given = request.headers.get("x-api-key")
+            if not (key_matches(given, state.config.api_key) if given is not None else
+                    admin_authorized(request.headers.get("Authorization"), state.config.api_key)):
+                return error_response(401, "unauthorized", "this server needs an API key: Authorization: Bearer "
+                                                           "<key> or x-api-key: <key>", {"WWW-Authenticate": "Bearer"})
 
     @app.after_request
     async def contract_headers(response: Response) -> Response:
@@ -255,6 +269,10 @@ def admin_authorized(header: str | None, token: str) -> bool:
     scheme, _, given = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer":
         return False
+    return key_matches(given, token)
+
+
+def key_matches(given: str, token: str) -> bool:
     enc = lambda s: s.encode("utf-8", "surrogatepass")
     return hmac.compare_digest(enc(given.strip()), enc(token))
 

@@ -42,6 +42,11 @@ class ChatRequest:
     tools: list | None = None
     tool_choice: Any = "auto"
     session_id: str | None = None
+    # A raw completion (POST /v1/completions): the prompt as text or token ids, no chat template;
+    # with a suffix, a fill-in-the-middle prompt. add_special: BOS as the model says.
+    prompt: str | list[int] | None = None
+    suffix: str | None = None
+    add_special: bool = True
 
 
 def _number(body: dict, key: str, default, kind=float):
@@ -122,6 +127,72 @@ def _content(i: int, content) -> str:
     return "".join(texts)
 
 
+def joined_text(where: str, value, kinds: dict[str, str], sep: str = "") -> str:
+    """A string, or an array of text parts joined by `sep`: `kinds` maps each accepted part type to
+    the key holding its text. A part of any other type is refused (this server is text only), as is
+    a malformed one, naming the field (the Responses and Anthropic routes' content)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(f"'{where}' must be a string or an array of content parts")
+    out = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = kinds.get(kind) if isinstance(kind, str) else None
+        if key is not None and isinstance(part.get(key), str):
+            out.append(part[key])
+        elif isinstance(kind, str) and key is None:
+            raise invalid(f"'{where}[{j}]' is a {kind!r:.40} part: this model accepts text only")
+        else:
+            first = next(iter(kinds))
+            raise invalid(f"'{where}[{j}]' must be a text part {{\"type\": \"{first}\", \"{kinds[first]}\": \"...\"}}")
+    return sep.join(out)
+
+
+def function_tools(value, schema_key: str, runs_here, default_schema: dict) -> list | None:
+    """An API's tool list -> chat function tools. `runs_here(tool)`: whether this server runs it (a
+    tool the API's provider hosts, such as web search, is left out); its schema is under
+    `schema_key` (`default_schema` when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise invalid("'tools' must be an array of tool definitions")
+    out = []
+    for j, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise invalid(f"'tools[{j}]' must be an object")
+        if not runs_here(tool):
+            continue
+        name, schema = tool.get("name"), tool.get(schema_key) or default_schema
+        if not isinstance(name, str) or not name:
+            raise invalid(f"'tools[{j}].name' must be a non-empty string")
+        if not isinstance(schema, dict):
+            raise invalid(f"'tools[{j}].{schema_key}' must be a JSON schema object")
+        fn = {"name": name, "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def prompt_list(field: str, value, most: int) -> list[str | list[int]]:
+    """A prompt field of the completions and embeddings APIs: a string, an array of token ids, or an
+    array of either (none empty), at most `most` of them."""
+    def ids(v) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str) or ids(value):
+        items = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) or ids(v) for v in value):
+        items = list(value)
+    else:
+        raise invalid(f"'{field}' is required: a string, an array of strings, an array of token ids, or an array of "
+                      "token-id arrays (none empty)")
+    if len(items) > most:
+        raise invalid(f"'{field}' holds {len(items)} items; at most {most} per request")
+    return items
+
+
 def _messages(raw) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' is required and must be a non-empty array")
@@ -181,6 +252,16 @@ def _session_id(body: dict, header: str | None) -> str | None:
 def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequest:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("'tools' must be an array of tool definitions")
+    return ChatRequest(messages=_messages(body.get("messages")), tools=tools,
+                       tool_choice=body.get("tool_choice", "auto"), **sampling_fields(body, session_header))
+
+
+def sampling_fields(body: dict, session_header: str | None = None) -> dict:
+    """The fields every generating API shares (sampling, limits, stops, logprobs, n, format,
+    thinking, session), with the contract's defaults and clamps: ChatRequest's keyword arguments."""
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_completion_tokens")
@@ -203,11 +284,7 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
         seed = _number(body, "seed", None, int)
     model = body.get("model")
     rf = body.get("response_format")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("'tools' must be an array of tool definitions")
-    return ChatRequest(
-        messages=_messages(body.get("messages")),
+    return dict(
         model=model if isinstance(model, str) else None,
         # Sampling fields are clamped into what the sampler's device arrays hold, here, at parse
         # time: no value of one request can overflow the batch it decodes in.
@@ -228,7 +305,5 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
         response_format=rf if isinstance(rf, dict) else None,
         enable_thinking=thinking,
         reasoning_budget=budget,
-        tools=tools,
-        tool_choice=body.get("tool_choice", "auto"),
         session_id=_session_id(body, session_header),
     )

@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Callable
 
-from quart import Request, Response, request
+from quart import Request, Response, has_request_context, request
 from quart.wrappers.request import Body
 
 from pantheon.gguf.reader import clip
@@ -90,11 +90,30 @@ def error_body(type_: str, message: str, **extra) -> dict:
 
 
 def error_response(status: int, type_: str, message: str, headers: dict | None = None, **fields) -> Response:
+    """The contract's error response; on Anthropic's routes, Anthropic's shape (its SDK reads it)."""
     from pantheon.web.observe import note
 
     note(error=type_)  # the access log names the refusal
-    return Response(json.dumps(error_body(type_, message, **fields)), status=status, headers=headers or {},
-                    content_type="application/json")
+    body = (anthropic_error_body(status, message) if has_request_context() and speaks_anthropic(request.path)
+            else error_body(type_, message, **fields))
+    return Response(json.dumps(body), status=status, headers=headers or {}, content_type="application/json")
+
+
+# Anthropic's error types by status: its SDK raises its own exception classes from these.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 422: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": clip(message, MAX_ERROR_MESSAGE)}}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Routes whose clients read Anthropic's error shape."""
+    return path.rstrip("/").startswith("/v1/messages")
 
 
 def invalid(message: str) -> ApiError:

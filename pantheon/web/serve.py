@@ -103,6 +103,7 @@ def config_from_args(args) -> ServeConfig:
                        numerics=args.numerics, kv_dtype=getattr(args, "kv_dtype", None) or env.kv_dtype,
                        max_body_bytes=env.max_body_bytes,
                        admin_token=getattr(args, "admin_token", None) or env.admin_token,
+                       api_key=getattr(args, "api_key", None) or env.api_key,
                        models_dir=getattr(args, "models_dir", None) or env.models_dir,
                        access_log="off" if getattr(args, "quiet", False) else getattr(args, "log_format", None) or env.access_log,
                        router=getattr(args, "router", None) or env.router,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from quart import Response
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -13,3 +15,10 @@ def event(payload: dict) -> bytes:
 
 def comment(text: str) -> bytes:
     return f": {text}\n\n".encode()
+
+
+def streaming_response(body) -> Response:
+    """An SSE response streaming `body` (an async iterator of bytes), with no body timeout."""
+    response = Response(body, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    response.timeout = None
+    return response

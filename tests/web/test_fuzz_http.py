@@ -3,10 +3,11 @@ for every POST route and query strings for the GET routes. Invariants: client-ca
 gets a 500; every status >= 400 carries the contract's error JSON; no body names a Python exception
 class; and afterwards the server still answers GET / and a normal chat.
 
-Routes (pantheon/web/*_routes.py): POST /v1/chat/completions, /admin/models/load, /admin/models/unload,
-/admin/session/export, /session/restore, /session/release, /admin/test/faults (404 without
-PANTHEON_TEST_HOOKS); GET /, /v1/models, /admin/models, /admin/dies, /session/estimate,
-/session/watch. There is no legacy /v1/completions route (it must answer the 404 error body).
+Routes (pantheon/web/*_routes.py): POST /v1/chat/completions, /v1/completions, /v1/messages,
+/v1/messages/count_tokens (Anthropic's error shape), /v1/responses, /v1/embeddings, /tokenize,
+/detokenize, /admin/models/load, /admin/models/unload, /admin/session/export, /session/restore,
+/session/release, /admin/test/faults (404 without PANTHEON_TEST_HOOKS); GET /, /v1/models,
+/v1/responses/{id}, /admin/models, /admin/dies, /session/estimate, /session/watch.
 
 PANTHEON_FUZZ_EXAMPLES (default 60) sets the examples per test; CI keeps the default."""
 
@@ -142,6 +143,63 @@ SESSION_FIELDS = {"session_id": either(st.sampled_from(SESSIONS)), "name": eithe
                                            st.just("%%%"), st.just("QQ"))),
                   "tokens": either(st.lists(INTS, max_size=8))}
 
+token_ids = st.lists(st.one_of(st.integers(0, 40), INTS), min_size=0, max_size=6)
+PROMPTS = st.one_of(texts, token_ids, st.lists(st.one_of(texts, token_ids), max_size=3))
+COMPLETION_FIELDS = {
+    "model": CHAT_FIELDS["model"], "prompt": either(PROMPTS), "max_tokens": either(small_tokens),
+    "echo": scalars, "logprobs": either(st.integers(-1, 30)), "suffix": either(texts), "best_of": either(INTS),
+    "n": either(st.integers(-2, 10)), "stream": scalars, "temperature": numbers, "stop": CHAT_FIELDS["stop"],
+    "stream_options": CHAT_FIELDS["stream_options"], "seed": numbers, "logit_bias": CHAT_FIELDS["logit_bias"]}
+BLOCK_TYPES = st.sampled_from(["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image",
+                               "document", "nope"])
+block = st.fixed_dictionaries({"type": either(BLOCK_TYPES)}, optional={
+    "text": either(texts), "id": texts, "name": either(texts), "input": either(values), "tool_use_id": texts,
+    "content": either(st.one_of(texts, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}),
+                                                max_size=2))),
+    "is_error": scalars, "thinking": either(texts)})
+anthropic_message = st.fixed_dictionaries({"role": either(st.sampled_from(["user", "assistant", "system"]))},
+                                          optional={"content": either(st.one_of(texts, st.lists(block, max_size=3)))})
+anthropic_tools = st.lists(either(st.fixed_dictionaries({"name": either(texts)}, optional={
+    "input_schema": either(schemas), "description": texts, "type": either(st.sampled_from(["custom", "web_search"]))})),
+    max_size=3)
+MESSAGES_FIELDS = {
+    "model": CHAT_FIELDS["model"], "max_tokens": either(small_tokens),
+    "messages": either(st.lists(either(anthropic_message), max_size=4)),
+    "system": either(st.one_of(texts, st.lists(block, max_size=2))), "tools": either(anthropic_tools),
+    "tool_choice": either(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                                optional={"name": texts})),
+    "stop_sequences": either(st.lists(texts, max_size=3)), "stream": scalars, "temperature": numbers,
+    "top_k": INTS, "top_p": numbers, "metadata": values,
+    "thinking": either(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"])},
+                                             optional={"budget_tokens": INTS}))}
+ITEM_TYPES = st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference",
+                              "web_search_call"])
+item = st.fixed_dictionaries({}, optional={
+    "type": either(ITEM_TYPES), "role": either(st.sampled_from(["user", "assistant", "system", "developer", "tool"])),
+    "content": either(st.one_of(texts, st.lists(st.fixed_dictionaries({"type": st.sampled_from(
+        ["input_text", "output_text", "input_image", "refusal"])}, optional={"text": texts}), max_size=2))),
+    "call_id": either(texts), "name": either(texts), "arguments": either(texts), "output": either(texts)})
+RESPONSES_FIELDS = {
+    "model": CHAT_FIELDS["model"], "input": either(st.one_of(texts, st.lists(either(item), max_size=4))),
+    "instructions": either(texts), "max_output_tokens": either(small_tokens), "stream": scalars,
+    "temperature": numbers, "top_p": numbers, "store": scalars, "previous_response_id": either(texts),
+    "tools": either(st.lists(st.fixed_dictionaries({"type": either(st.sampled_from(["function", "web_search"]))},
+                                                   optional={"name": either(texts), "parameters": either(schemas)}),
+                             max_size=3)),
+    "tool_choice": either(st.one_of(st.sampled_from(["auto", "none", "required"]),
+                                    st.fixed_dictionaries({"type": st.just("function"), "name": texts}))),
+    "text": either(st.fixed_dictionaries({"format": either(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])}, optional={"schema": schemas}))})),
+    "reasoning": either(st.fixed_dictionaries({"effort": either(st.sampled_from(["none", "low", "high"]))})),
+    "prompt_cache_key": either(st.sampled_from(SESSIONS))}
+EMBEDDING_FIELDS = {"model": CHAT_FIELDS["model"], "input": either(PROMPTS),
+                    "encoding_format": either(st.sampled_from(["float", "base64", "x"])), "dimensions": either(INTS)}
+TOKENIZE_FIELDS = {"content": either(st.one_of(texts, st.lists(st.one_of(texts, INTS), max_size=4))),
+                   "add_special": scalars, "parse_special": scalars, "with_pieces": scalars,
+                   "model": CHAT_FIELDS["model"]}
+DETOKENIZE_FIELDS = {"tokens": either(token_ids), "model": CHAT_FIELDS["model"]}
+MESSAGES_BODY = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+
 
 @st.composite
 def mutated(draw, base: dict, fields: dict):
@@ -180,7 +238,13 @@ POST_ROUTES = {CHAT: (NORMAL_CHAT, CHAT_FIELDS),
                "/session/restore": ({"session_id": "fz-b", "blob": "AAAA", "tokens": [1, 2]}, SESSION_FIELDS),
                "/session/release": ({"session_id": "fz-c"}, SESSION_FIELDS),
                "/admin/test/faults": ({"step": 0}, {"step": INTS}),
-               "/v1/completions": ({"prompt": "hi", "max_tokens": 1}, {"prompt": texts, "max_tokens": small_tokens})}
+               "/v1/completions": ({"model": "tiny", "prompt": "hi", "max_tokens": 2}, COMPLETION_FIELDS),
+               "/v1/messages": (MESSAGES_BODY, MESSAGES_FIELDS),
+               "/v1/messages/count_tokens": (MESSAGES_BODY, MESSAGES_FIELDS),
+               "/v1/responses": ({"model": "tiny", "input": "hello", "max_output_tokens": 2}, RESPONSES_FIELDS),
+               "/v1/embeddings": ({"model": "tiny", "input": "hello"}, EMBEDDING_FIELDS),
+               "/tokenize": ({"content": "hello"}, TOKENIZE_FIELDS),
+               "/detokenize": ({"tokens": [1, 2]}, DETOKENIZE_FIELDS)}
 
 EDGE_QUERY_VALUES = st.sampled_from(["1", "0", "-1", "nan", "inf", "-inf", "1e308", "1e400", "1e305", "1e300",
                                      "4.9e-324", "0x10", "1_000", " 5 ", "", "tiny", "fz-a", "%ff%fe", "%00",
@@ -201,7 +265,8 @@ def query_strings(draw, route: str):
     return "&".join(f"{k}={v.replace('&', '%26').replace('#', '%23')}" for k, v in pairs)
 
 
-GET_ROUTES = ["/", "/v1/models", "/admin/models", "/admin/dies", "/session/estimate", "/session/watch"]
+GET_ROUTES = ["/", "/v1/models", "/admin/models", "/admin/dies", "/session/estimate", "/session/watch",
+              "/v1/responses/resp_nope"]
 
 
 # ---- the app and the invariants -----------------------------------------------------------------
@@ -266,16 +331,19 @@ def check(result, what) -> None:
     assert not EXC.search(text), (what, status, text[:500])
     if status >= 400:
         body = strict_json(text)
-        assert isinstance(body, dict) and set(body) == {"error"}, (what, text[:500])
+        anthropic = isinstance(body, dict) and body.get("type") == "error"  # Anthropic's routes' own shape
+        assert isinstance(body, dict) and set(body) == ({"type", "error"} if anthropic else {"error"}), \
+            (what, text[:500])
         err = body["error"]
         assert isinstance(err.get("message"), str) and isinstance(err.get("type"), str), (what, text[:500])
-        assert err["type"] != "server_error", (what, text[:500])
+        assert err["type"] not in ("server_error", "api_error"), (what, text[:500])
     elif "text/event-stream" in ctype:
         for line in text.splitlines():
             if line.startswith("data: {"):
                 event = strict_json(line[len("data: "):])
-                if "error" in event:
-                    assert event["error"].get("type") != "server_error", (what, line[:500])
+                error = event.get("error") or (event.get("response") or {}).get("error")
+                if isinstance(error, dict):
+                    assert error.get("type", error.get("code")) not in ("server_error", "api_error"), (what, line[:500])
     else:
         strict_json(text)
 

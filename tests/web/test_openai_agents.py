@@ -86,34 +86,83 @@ def check_loop(rec: Recorder, result) -> None:
     assert tool == {"role": "tool", "tool_call_id": call.raw_item.call_id, "content": MARKER}
 
 
-def test_runner_run_calls_the_tool_then_answers(smol_server):
-    rec = Recorder()
-
+def run(rec: Recorder, url: str):
+    """Runner.run of the recorder's agent against `url`: the result."""
     async def go():
         try:
-            return await agents.Runner.run(rec.agent(smol_server.url), PROMPT, max_turns=3)
+            return await agents.Runner.run(rec.agent(url), PROMPT, max_turns=3)
         finally:
             await rec.client.close()
 
-    check_loop(rec, asyncio.run(go()))
+    return asyncio.run(go())
 
 
-def test_runner_run_streamed_calls_the_tool_then_answers(smol_server):
-    rec = Recorder()
-
+def run_streamed(rec: Recorder, url: str):
+    """Runner.run_streamed of the recorder's agent against `url`: (result, its stream events)."""
     async def go():
         try:
-            result = agents.Runner.run_streamed(rec.agent(smol_server.url), PROMPT, max_turns=3)
+            result = agents.Runner.run_streamed(rec.agent(url), PROMPT, max_turns=3)
             events = [e async for e in result.stream_events()]
             return result, events
         finally:
             await rec.client.close()
 
-    result, events = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_runner_run_calls_the_tool_then_answers(smol_server):
+    rec = Recorder()
+    check_loop(rec, run(rec, smol_server.url))
+
+
+def test_runner_run_streamed_calls_the_tool_then_answers(smol_server):
+    rec = Recorder()
+    result, events = run_streamed(rec, smol_server.url)
     check_loop(rec, result)
     assert all(b.get("stream") is True for b in rec.bodies)
     names = [e.name for e in events if e.type == "run_item_stream_event"]
     assert names[:2] == ["tool_called", "tool_output"] and "message_output_created" in names, names
+    deltas = [e.data.delta for e in events if e.type == "raw_response_event"
+              and e.data.type == "response.output_text.delta"]
+    assert "".join(deltas) == result.final_output
+
+
+# ---- the SDK's default model class: the Responses API ---------------------------------------------
+class ResponsesRecorder(Recorder):
+    async def on_request(self, request):
+        if request.url.path.endswith("/responses"):
+            self.bodies.append(json.loads(request.read()))
+
+    def agent(self, url: str):
+        agent = super().agent(url)
+        return agent.clone(model=agents.OpenAIResponsesModel(model="smol", openai_client=self.client))
+
+
+def check_responses_loop(rec: ResponsesRecorder, result) -> None:
+    assert len(rec.calls) == 1 and isinstance(rec.calls[0], str), rec.calls
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
+    call = result.new_items[0].raw_item
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": rec.calls[0]}
+    assert MARKER in result.final_output, result.final_output
+    assert len(rec.bodies) == 2
+    first, second = rec.bodies
+    assert first["tool_choice"] == "required" and [t["name"] for t in first["tools"]] == ["get_weather"]
+    # the second request carries the call and its output back as input items
+    items = second["input"]
+    assert [i.get("type") for i in items[-2:]] == ["function_call", "function_call_output"]
+    assert items[-1] == {"call_id": call.call_id, "output": MARKER, "type": "function_call_output"}
+
+
+def test_responses_model_runs_the_tool_loop(smol_server):
+    rec = ResponsesRecorder()
+    check_responses_loop(rec, run(rec, smol_server.url))
+
+
+def test_responses_model_streamed_runs_the_tool_loop(smol_server):
+    rec = ResponsesRecorder()
+    result, events = run_streamed(rec, smol_server.url)
+    check_responses_loop(rec, result)
     deltas = [e.data.delta for e in events if e.type == "raw_response_event"
               and e.data.type == "response.output_text.delta"]
     assert "".join(deltas) == result.final_output

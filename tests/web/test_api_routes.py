@@ -1,0 +1,159 @@
+"""The newer routes' own logic in process (tiny model, Quart's test client): the API key, each API's
+refusals in its own error shape, the Responses store's bounds, embedding pooling and the hidden
+states it pools."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pantheon.engine.embedding import normalize, pool, pooling_of
+from pantheon.web.response_store import Kept, ResponseStore
+from tests.web.inprocess import tiny_app
+
+KEY = "sk-test-7f3a"
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0}
+MESSAGES = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    server = tiny_app(tmp_path_factory, "api-routes")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    server = tiny_app(tmp_path_factory, "api-key", api_key=KEY)
+    yield server
+    server.close()
+
+
+def get(app, path: str, headers: dict | None = None):
+    async def go():
+        r = await app.client.get(path, headers=headers or {})
+        return r.status_code, await r.get_json()
+
+    return app.run(go())
+
+
+# ---- the API key -------------------------------------------------------------------------------------
+def test_api_key_guards_the_inference_routes(keyed):
+    status, body, headers = keyed.post("/v1/chat/completions", CHAT)
+    assert status == 401 and body["error"]["type"] == "unauthorized" and {k.lower(): v for k, v in headers.items()}["www-authenticate"] == "Bearer"
+    assert keyed.post("/v1/chat/completions", CHAT, {"Authorization": f"Bearer {KEY}"})[0] == 200
+    assert keyed.post("/v1/chat/completions", CHAT, {"x-api-key": KEY})[0] == 200
+    assert keyed.post("/v1/chat/completions", CHAT, {"Authorization": "Bearer wrong"})[0] == 401
+    assert keyed.post("/tokenize", {"content": "hi"})[0] == 401
+    assert get(keyed, "/v1/models")[0] == 401
+    # Anthropic's clients send x-api-key and read Anthropic's error shape
+    status, body, _ = keyed.post("/v1/messages", MESSAGES)
+    assert status == 401 and body == {"type": "error", "error": {"type": "authentication_error", "message": body[
+        "error"]["message"]}}
+    assert keyed.post("/v1/messages", MESSAGES, {"x-api-key": KEY})[0] == 200
+    assert get(keyed, "/health")[0] == 200 and get(keyed, "/")[0] == 200  # probes stay open
+
+
+def test_no_api_key_by_default(app):
+    assert app.post("/v1/chat/completions", CHAT)[0] == 200
+
+
+# ---- refusals in each API's shape ------------------------------------------------------------------------
+@pytest.mark.parametrize("body, needle", [
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, "'max_tokens' is required"),
+    ({"model": "tiny", "max_tokens": 2, "messages": []}, "'messages' is required"),
+    ({"model": "tiny", "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, "must be \"user\""),
+    ({**MESSAGES, "tool_choice": {"type": "sometimes"}}, "'tool_choice'"),
+    ({**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]},
+     "is not a content block"),
+])
+def test_messages_refusals(app, body, needle):
+    status, reply, _ = app.post("/v1/messages", body)
+    assert status == 400 and reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error"
+    assert needle in reply["error"]["message"]
+
+
+def test_messages_unknown_subroute_is_a_404_in_anthropics_shape(app):
+    status, reply, _ = app.post("/v1/messages/batches", MESSAGES)
+    assert status == 404 and reply["type"] == "error" and reply["error"]["type"] == "not_found_error"
+
+
+def test_count_tokens_needs_no_max_tokens(app):
+    status, reply, _ = app.post("/v1/messages/count_tokens", {"model": "tiny", "messages": MESSAGES["messages"]})
+    assert status == 200 and reply["input_tokens"] > 0
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "'echo' with 'logprobs'"),
+    ({"prompt": "x", "n": 3, "best_of": 2}, "'best_of' (2) must be at least 'n' (3)"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "cannot be streamed"),
+    ({"prompt": ["x"] * 17}, "at most 16"),
+    ({"prompt": []}, "'prompt' is required"),
+    ({"prompt": [1, 2, 10**6]}, "outside the vocabulary"),
+    ({"prompt": "x", "logprobs": -1}, "'logprobs' must be"),
+])
+def test_completions_refusals(app, body, needle):
+    status, reply, _ = app.post("/v1/completions", {"model": "tiny", "max_tokens": 2, **body})
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply
+    assert needle in reply["error"]["message"]
+
+
+def test_completions_best_of_returns_the_likeliest(app):
+    status, reply, _ = app.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3, "n": 1,
+                                                    "best_of": 3, "temperature": 1.5, "seed": 7})
+    assert status == 200 and len(reply["choices"]) == 1 and reply["choices"][0]["index"] == 0
+    assert reply["usage"]["completion_tokens"] == 9  # all three were generated
+
+
+def test_responses_refusals_and_the_store(app):
+    status, reply, _ = app.post("/v1/responses", {"model": "tiny", "input": "x", "previous_response_id": "resp_nope"})
+    assert status == 404 and reply["error"]["type"] == "not_found"
+    status, reply, _ = app.post("/v1/responses", {"model": "tiny", "input": [{"type": "computer_call"}]})
+    assert status == 400 and "'input[0]'" in reply["error"]["message"]
+    status, reply, _ = app.post("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 2,
+                                                  "store": False, "temperature": 0})
+    assert status == 200 and reply["store"] is False
+    assert get(app, f"/v1/responses/{reply['id']}")[0] == 404  # not kept
+    status, kept, _ = app.post("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 2,
+                                                 "temperature": 0})
+    assert get(app, f"/v1/responses/{kept['id']}") == (200, kept)
+
+
+def test_response_store_is_bounded():
+    store = ResponseStore(max_responses=3, max_bytes=100)
+    for i in range(4):
+        store.put(f"r{i}", Kept([], {"id": f"r{i}"}, None, 10))
+    assert store.get("r0") is None and len(store) == 3  # the oldest went first
+    store.get("r1")  # now the most recently used
+    store.put("big", Kept([], {}, None, 85))
+    assert store.get("r1") is not None and store.get("r2") is None and store.get("r3") is None
+    assert store.delete("big") and not store.delete("big")
+
+
+# ---- embeddings ----------------------------------------------------------------------------------------
+def test_pooling_and_normalisation():
+    h = np.array([[3.0, 0.0], [1.0, 2.0], [2.0, 4.0]], np.float32)
+    assert np.allclose(pool(h, "mean"), [2.0, 2.0]) and np.allclose(pool(h, "cls"), h[0])
+    assert np.allclose(pool(h, "last"), h[-1]) and pool(h, "none") is h
+    assert np.allclose(normalize(np.array([3.0, 4.0])), [0.6, 0.8]) and not normalize(np.zeros(2)).any()
+    assert pooling_of({}, "llama") == "mean" and pooling_of({"bert.pooling_type": 2}, "bert") == "cls"
+
+
+def test_hidden_states_are_causal_and_repeatable(app):
+    engine = app.engine("tiny")
+    ids = [1, 5, 9, 13, 17, 21, 3]
+    full = app.run(engine.hidden_states(ids))
+    head = app.run(engine.hidden_states(ids[:4]))
+    assert full.shape == (7, engine.spec.n_embd) and np.isfinite(full).all()
+    assert np.allclose(full[:4], head, atol=1e-5)  # a position sees only what precedes it
+    assert np.array_equal(app.run(engine.hidden_states(ids)), full)
+
+
+def test_embeddings_route(app):
+    status, reply, _ = app.post("/v1/embeddings", {"model": "tiny", "input": [[1, 5, 9], "hello"]})
+    assert status == 200 and [d["index"] for d in reply["data"]] == [0, 1]
+    v = np.array(reply["data"][0]["embedding"])
+    assert abs(np.linalg.norm(v) - 1) < 1e-5 and reply["usage"]["prompt_tokens"] >= 4
+    status, reply, _ = app.post("/v1/embeddings", {"model": "tiny", "input": "x", "encoding_format": "hex"})
+    assert status == 400 and "encoding_format" in reply["error"]["message"]
