@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pantheon.model.numerics import NONE, Q8_0, Q8_K, IntBlocks, int_linear, quantize_activations, silu
-from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
+from pantheon.model.spec import ROPE_NEOX, ROPE_NORM, RopeScaling
 from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
 # implementation, beside its Pallas kernels (pantheon/pallas/attention.py).
@@ -22,12 +22,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(var + eps) * weight
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, style: str) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, base: float, n_rot: int, style: str,
+         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding on the first `n_rot` dims of each head. x: [B, T, n_heads, D]; positions: [B, T]."""
     d = x.shape[-1]
-    inv_freq = base ** (-jnp.arange(0, n_rot, 2, dtype=jnp.float32) / n_rot)  # [n_rot/2]
+    if scaling is None:
+        inv_freq = base ** (-jnp.arange(0, n_rot, 2, dtype=jnp.float32) / n_rot)  # [n_rot/2]
+    else:
+        inv_freq = jnp.asarray(scaling.frequencies(base, n_rot))
     angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, n_rot/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if scaling is not None and scaling.magnitude != 1.0:
+        cos, sin = cos * scaling.magnitude, sin * scaling.magnitude
     rot, rest = x[..., :n_rot], x[..., n_rot:]
     if style == ROPE_NORM:  # adjacent pairs
         a, b = rot[..., 0::2], rot[..., 1::2]

@@ -59,8 +59,8 @@ def _project(w, x, positions, spec: ModelSpec, num: Numerics):
     if spec.qk_norm:
         q = rms_norm(q, w["q_norm"], spec.rms_eps)
         k = rms_norm(k, w["k_norm"], spec.rms_eps)
-    q = rope(q, positions, spec.rope_base, spec.rope_dim, spec.rope_style)
-    k = rope(k, positions, spec.rope_base, spec.rope_dim, spec.rope_style)
+    q = rope(q, positions, spec.rope_base, spec.rope_dim, spec.rope_style, spec.rope_scaling)
+    k = rope(k, positions, spec.rope_base, spec.rope_dim, spec.rope_style, spec.rope_scaling)
     return q, k, v
 
 

@@ -14,7 +14,10 @@ compared. The phi3 fixture carries "<s>", "</s>", "<unk>" and "<|end|>", which l
 vocabulary loading looks up.
 
 Measured max |Δ log-prob| (AVX-512 / AVX2): F32 llama 1.1e-5, qwen2 9e-6, qwen3 7.6e-6, phi3 7.7e-6,
-minicpm 1.4e-6 without scale keys (llama.cpp's defaults) and 1.9e-5 with them. Q8_0 (the native
+minicpm 1.4e-6 without scale keys (llama.cpp's defaults) and 1.9e-5 with them. Rope variants (F32,
+AVX-512): Llama 3.1+'s rope_freqs divisors 6.9e-6, linear scaling (factor 2) 1e-5, YaRN (factor 4,
+original context 32, so its ramp falls inside the 16 rotated dims) 1.1e-5; with the scaling left
+out the same fixtures miss by 0.2-0.8, 2.6-12 and 0.8-3.1. Q8_0 (the native
 kernel's integer dot products, which are llama.cpp's own arithmetic, in prefill as in decode):
 llama <= 1.8e-6, qwen3 <= 8.9e-7 on every prompt. K-quants (no native kernel: activations rounded
 to Q8_K in jnp, then an f32 product), per prompt (AVX2): Q3_K <= 1.2e-5 on all; Q4_K <= 7e-6 on
@@ -76,7 +79,7 @@ def model(name: str, tmp_path: Path):
 def test_every_accepted_architecture_was_recorded():
     assert set(COMPARED) >= {"llama_f32", "llama_q8_0", "llama_q4_k", "llama_q6_k", "llama_q3_k", "qwen2_f32",
                              "qwen3_f32", "qwen3_q8_0", "minicpm_f32_no_scale_keys", "minicpm_f32_scale_keys",
-                             "phi3_f32"}
+                             "phi3_f32", "llama3_rope_freqs_f32", "llama_rope_linear_f32", "qwen2_rope_yarn_f32"}
     assert "architecture: 'mistral'" in RECORDS["mistral_f32"]["refused"]
     assert all(RECORDS[n]["llama_cpp"].startswith("b11434") for n in COMPARED)
 

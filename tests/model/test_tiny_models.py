@@ -199,8 +199,10 @@ def test_minicpm_without_scale_keys_takes_llamacpp_defaults(tmp_path):
 
 # ---- dense variants this forward does not implement are refused, sliding windows cap the context ---------------
 @pytest.mark.parametrize("change, message", [
-    (dict(extra_metadata={"llama.rope.scaling.type": "yarn"}), "rope.scaling.type 'yarn' is not supported"),
-    (dict(tensor_overrides={"rope_freqs.weight": np.ones(8, np.float32)}), "rope_freqs.weight"),
+    (dict(extra_metadata={"llama.rope.scaling.type": "longrope"}), "rope.scaling.type 'longrope' is not supported"),
+    (dict(tensor_overrides={"rope_freqs.weight": np.ones(5, np.float32)}), "rope_freqs.weight must hold 8"),
+    (dict(tensor_overrides={"rope_freqs.weight": -np.ones(8, np.float32)}), "rope_freqs.weight must hold 8"),
+    (dict(extra_metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": -2.0}), "must be positive"),
     (dict(arch="phi3", tensor_overrides={"rope_factors_long.weight": np.ones(8, np.float32)}), "LongRoPE"),
     (dict(tensor_overrides={"blk.0.ffn_gate_inp.weight": np.ones((4, 64), np.float32)}), "routed experts"),
 ])
@@ -208,6 +210,24 @@ def test_unimplemented_dense_variants_are_refused(tmp_path, change, message):
     g = open_gguf(write_tiny_llama(tmp_path / "v.gguf", **change))
     with pytest.raises(GGUFError, match=message.replace("(", r"\(").replace(")", r"\)")):
         spec_from_gguf(g)
+
+
+def test_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
+    """llama.cpp's defaults: no type means linear, no factor means 1 (plain rope); YaRN's ramp
+    between ggml_rope_yarn_corr_dims and its magnitude 1 + 0.1 ln(factor)."""
+    plain = spec_from_gguf(open_gguf(write_tiny_llama(tmp_path / "p.gguf")))
+    assert plain.rope_scaling is None
+    yarn = spec_from_gguf(open_gguf(write_tiny_llama(tmp_path / "y.gguf", arch="qwen2", extra_metadata={
+        "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+        "qwen2.rope.scaling.original_context_length": 32}))).rope_scaling
+    assert (yarn.freq_scale, yarn.ext_factor, yarn.corr_dims) == (0.25, 1.0, (0.0, 1.0))
+    assert yarn.magnitude == pytest.approx(1 + 0.1 * np.log(4.0))
+    freqs = yarn.frequencies(10000.0, 16)
+    plain_freqs = 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    assert freqs[0] == pytest.approx(plain_freqs[0]) and np.allclose(freqs[1:], plain_freqs[1:] / 4)
+    llama3 = spec_from_gguf(open_gguf(write_tiny_llama(tmp_path / "l3.gguf", tensor_overrides={
+        "rope_freqs.weight": np.array([1, 1, 1, 1, 2, 4, 8, 8], np.float32)}))).rope_scaling
+    assert np.allclose(llama3.frequencies(10000.0, 16), plain_freqs / [1, 1, 1, 1, 2, 4, 8, 8])
 
 
 def test_a_sliding_window_caps_the_context(tmp_path):

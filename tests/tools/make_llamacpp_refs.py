@@ -53,6 +53,16 @@ CONFIGS = {
                                    extra_metadata=MINICPM_KEYS),
     "phi3_f32": dict(arch="phi3", weight_type=Q.F32, seed=9, extra_tokens=["<|end|>", "<s>", "</s>", "<unk>"]),
     "mistral_f32": dict(arch="mistral", weight_type=Q.F32, seed=10),
+    # rope variants: Llama 3.1+'s per-pair divisors (rope_freqs.weight, one per rotated pair of the
+    # 16-dim heads), linear scaling, and YaRN with a short original context so its ramp falls
+    # inside the rotated dims
+    "llama3_rope_freqs_f32": dict(arch="llama", weight_type=Q.F32, seed=11,
+                                  tensor_overrides={"rope_freqs.weight": [1.0, 1.0, 1.25, 2.0, 3.5, 6.0, 8.0, 8.0]}),
+    "llama_rope_linear_f32": dict(arch="llama", weight_type=Q.F32, seed=12,
+                                  extra_metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}),
+    "qwen2_rope_yarn_f32": dict(arch="qwen2", weight_type=Q.F32, seed=13, extra_metadata={
+        "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+        "qwen2.rope.scaling.original_context_length": 32}),
 }
 # token ids of the fixture vocabulary (bytes at 3.., merges after 258): prompts of several lengths
 PROMPTS = [
