@@ -50,8 +50,11 @@ def cmd_generate(args) -> int:
             print(f"pantheon: --tokens must be a non-empty list of ids in [0, {engine.spec.n_vocab})", file=sys.stderr)
             return 2
     else:
-        prompt = args.prompt if args.raw else engine.render_chat([{"role": "user", "content": args.prompt}])
-        ids = engine.encode_prompt(prompt)
+        raw = args.raw or engine.template is None  # a base model without a template: the text as it is
+        if raw:  # BOS as the model says, as llama.cpp tokenizes a raw prompt
+            ids = engine.tokenizer.encode(args.prompt, parse_special=True, add_bos=None)
+        else:
+            ids = engine.encode_prompt(engine.render_chat([{"role": "user", "content": args.prompt}]))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               logprobs=args.json)  # token ids ride the logprob records
     request = GenerationRequest(ids, [sampling], args.max_tokens)
@@ -120,7 +123,9 @@ def _bench_http(args) -> int:
 
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     path = _model_path(args.model)
-    bias = {str(t): -100 for t in Tokenizer.from_gguf(open_gguf(path)).eog_ids}  # full-length decodes
+    gguf = open_gguf(path)
+    bias = {str(t): -100 for t in Tokenizer.from_gguf(gguf).eog_ids}  # full-length decodes
+    httpbench.RAW_COMPLETIONS = not gguf.metadata.get("tokenizer.chat_template")  # a base model: raw text
     server = None
     url = args.url
     try:

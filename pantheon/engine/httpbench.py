@@ -50,21 +50,29 @@ class LevelResult:
     ttft_p95_ms: float
 
 
+# A base model without a chat template is measured through /v1/completions with the prompt as raw
+# text (both servers serve it); everything else through chat completions (pantheon bench sets this).
+RAW_COMPLETIONS = False
+
+
 def _one(url: str, model: str | None, max_tokens: int, logit_bias: dict, prompt: str, out: list,
          usage_out: dict | None = None) -> None:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.7,
-            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": logit_bias}
+    body = {"max_tokens": max_tokens, "temperature": 0.7, "stream": True, "stream_options": {"include_usage": True},
+            "logit_bias": logit_bias}
+    body.update({"prompt": prompt} if RAW_COMPLETIONS else {"messages": [{"role": "user", "content": prompt}]})
     if model:
         body["model"] = model
     t0 = time.perf_counter()
     first, tokens, chunks = None, 0, 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    route = "/v1/completions" if RAW_COMPLETIONS else "/v1/chat/completions"
+    with httpx.stream("POST", url + route, json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             ev = json.loads(line[6:])
-            if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+            choice = ev["choices"][0] if ev.get("choices") else {}
+            if choice.get("text") or choice.get("delta", {}).get("content"):
                 chunks += 1
                 if first is None:
                     first = time.perf_counter()

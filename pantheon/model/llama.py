@@ -1,4 +1,4 @@
-"""The dense llama family (llama, mistral, minicpm, phi3, qwen2, qwen3) as pure functions.
+"""The dense llama family (llama, mistral, minicpm, phi3, qwen2, qwen3, gemma3) as pure functions.
 
 A step is three compiled programs: `embed`, one `block` program called once per layer (the same
 executable for every layer: compiled once, 0.3 s, instead of 5-18 s for an unrolled 30-layer
@@ -23,7 +23,7 @@ import numpy as np
 from pantheon.model import kernels as kern
 from pantheon.model.host_attention import host_attend
 from pantheon.model.layers import linear, rms_norm, rope, swiglu, swiglu_down
-from pantheon.model.numerics import Numerics
+from pantheon.model.numerics import Numerics, gelu
 from pantheon.native.qmatmul import QMatrix, embed_rows
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache
@@ -40,8 +40,9 @@ def embed(table, tokens, *, spec: ModelSpec, by_column: bool = False):
     return x.astype(jnp.float32) * spec.embed_scale  # the residual stream is f32 (model/dtypes.py)
 
 
-def _project(w, x, positions, spec: ModelSpec, num: Numerics):
-    """Attention inputs: q [B, T, H, D], k and v [B, T, K, D], rotated at their absolute positions."""
+def _project(w, x, positions, spec: ModelSpec, num: Numerics, swa: bool = False):
+    """Attention inputs: q [B, T, H, D], k and v [B, T, K, D], rotated at their absolute positions.
+    swa: a sliding-window layer (gemma3), rotated with its own base and no scaling."""
     b, t, _ = x.shape
     h = rms_norm(x, w["attn_norm"], spec.rms_eps)
     if "wqkv" in w:  # fused at load (weights.FUSED)
@@ -59,15 +60,21 @@ def _project(w, x, positions, spec: ModelSpec, num: Numerics):
     if spec.qk_norm:
         q = rms_norm(q, w["q_norm"], spec.rms_eps)
         k = rms_norm(k, w["k_norm"], spec.rms_eps)
-    q = rope(q, positions, spec.rope_base, spec.rope_dim, spec.rope_style, spec.rope_scaling)
-    k = rope(k, positions, spec.rope_base, spec.rope_dim, spec.rope_style, spec.rope_scaling)
+    base, scaling = (spec.rope_base_swa, None) if swa else (spec.rope_base, spec.rope_scaling)
+    q = rope(q, positions, base, spec.rope_dim, spec.rope_style, scaling)
+    k = rope(k, positions, base, spec.rope_dim, spec.rope_style, scaling)
+    if spec.q_scale != 1.0:  # attention scales by 1/sqrt(head_dim): gemma3's 27B by another factor
+        q = q * spec.q_scale
     return q, k, v
 
 
 def _tail(w, x, attn, spec: ModelSpec, num: Numerics):
     """Attention output projection, residual, and the SwiGLU FFN. attn: [B, T, H, D]."""
     b, t, _ = x.shape
-    x = x + spec.residual_scale * linear(attn.reshape(b, t, -1).astype(x.dtype), w["wo"], num.scheme("wo"))
+    out = linear(attn.reshape(b, t, -1).astype(x.dtype), w["wo"], num.scheme("wo"))
+    if spec.post_norms:
+        return _gemma_tail(w, x + rms_norm(out, w["attn_post_norm"], spec.rms_eps), spec, num)
+    x = x + spec.residual_scale * out
     h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
     if "w_gate_up" in w:  # fused at load (weights.FUSED)
         gate, up = jnp.split(linear(h, w["w_gate_up"], num.scheme("w_gate")), 2, -1)
@@ -76,13 +83,25 @@ def _tail(w, x, attn, spec: ModelSpec, num: Numerics):
     return x + spec.residual_scale * swiglu(h, w["w_gate"], w["w_up"], w["w_down"], schemes)
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels"), donate_argnames=("k_cache", "v_cache"))
+def _gemma_tail(w, x, spec: ModelSpec, num: Numerics):
+    """Gemma 3's FFN after the attention's residual: norm, GELU(gate) * up, down, norm, residual."""
+    h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
+    if "w_gate_up" in w:
+        gate, up = jnp.split(linear(h, w["w_gate_up"], num.scheme("w_gate")), 2, -1)
+    else:
+        gate, up = linear(h, w["w_gate"], num.scheme("w_gate")), linear(h, w["w_up"], num.scheme("w_up"))
+    act = gelu(gate, ggml_table=num.mode == "llamacpp") * up
+    return x + rms_norm(linear(act, w["w_down"], num.scheme("w_down")), w["ffn_post_norm"], spec.rms_eps)
+
+
+@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels", "swa"),
+         donate_argnames=("k_cache", "v_cache"))
 def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
-          kernels: kern.Kernels):
+          kernels: kern.Kernels, swa: bool = False):
     """One transformer block. x: [B, T, E]; k_cache/v_cache: this layer's [slots+1, C, K, D];
     positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions.
-    kernels: the attention kernel's mode (`block_kernels`)."""
-    q, k, v = _project(w, x, positions, spec, numerics)
+    kernels: the attention kernel's mode (`block_kernels`). swa: a sliding-window layer (gemma3)."""
+    q, k, v = _project(w, x, positions, spec, numerics, swa)
     # Write this chunk's keys/values at their absolute positions, then attend over the first kv_len.
     # Positions past the cache (padding of a final chunk) are dropped.
     rows = slots[:, None]
@@ -94,9 +113,9 @@ def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics
 
 # The host fallback: a layer whose KV buffers could not be allocated on the device keeps them in host
 # memory (numpy); its block runs as project (device) -> attention (host) -> tail (device).
-@partial(jax.jit, static_argnames=("spec", "numerics"))
-def attn_project(w, x, positions, *, spec: ModelSpec, numerics: Numerics):
-    return _project(w, x, positions, spec, numerics)
+@partial(jax.jit, static_argnames=("spec", "numerics", "swa"))
+def attn_project(w, x, positions, *, spec: ModelSpec, numerics: Numerics, swa: bool = False):
+    return _project(w, x, positions, spec, numerics, swa)
 
 
 @partial(jax.jit, static_argnames=("spec", "numerics"))
@@ -114,7 +133,10 @@ def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numer
     if not all_logits:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)[:, 0]  # [B, E]
     x = rms_norm(x, output_norm, spec.rms_eps)
-    return (linear(x, table, numerics.scheme("head")) / spec.logit_scale).astype(jnp.float32)
+    logits = (linear(x, table, numerics.scheme("head")) / spec.logit_scale).astype(jnp.float32)
+    if spec.logit_softcap:
+        logits = jnp.tanh(logits / spec.logit_softcap) * spec.logit_softcap
+    return logits
 
 
 def block_kernels(spec: ModelSpec, cache: KVCache, t: int) -> kern.Kernels:
@@ -145,12 +167,13 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
     static = dict(spec=spec, numerics=numerics, kv_len=kern.program_kv_len(kernels, kv_len, cache.ctx), kernels=kernels)
     plain = dict(spec=spec, numerics=numerics)
     for i, w in enumerate(params["layers"]):
+        swa = {"swa": True} if spec.swa_layers and spec.swa_layers[i] else {}  # its own executable
         if isinstance(ks[i], np.ndarray):  # this layer's KV lives on the host
-            q, k, v = call("attn_project", attn_project, (w, x, positions), plain)
+            q, k, v = call("attn_project", attn_project, (w, x, positions), {**plain, **swa})
             attn = host_attend(q, k, v, ks[i], vs[i], positions, slots)
             x = call("attn_tail", attn_tail, (w, x, attn), plain)
         else:
-            x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), static)
+            x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), {**static, **swa})
     logits = call("head", head, (params["head"], params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
     return logits, KVCache(ks, vs)

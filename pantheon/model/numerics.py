@@ -49,6 +49,16 @@ def silu(x: jax.Array) -> jax.Array:
     return x / (1 + jnp.exp(-x))
 
 
+def gelu(x: jax.Array, ggml_table: bool = False) -> jax.Array:
+    """GELU, tanh form (ggml_gelu_f32). ggml_table: as ggml-cpu computes it (GGML_GELU_FP16): x
+    rounded to f16 and the f16 table entry of its GELU, except x <= -10 -> 0 and x >= 10 -> x."""
+    if not ggml_table:
+        return jax.nn.gelu(x, approximate=True)
+    x16 = x.astype(jnp.float16).astype(jnp.float32)
+    g = jax.nn.gelu(x16, approximate=True).astype(jnp.float16).astype(jnp.float32)
+    return jnp.where(x <= -10.0, 0.0, jnp.where(x >= 10.0, x, g))
+
+
 def scheme_for(ggml_type) -> str:
     return _ACT_SCHEME.get(ggml_type, NONE)
 

@@ -14,7 +14,7 @@ from pantheon.gguf.reader import GGUFError, GGUFFile, shown
 ROPE_NORM, ROPE_NEOX = "norm", "neox"
 
 DENSE_ARCHS = {"llama": ROPE_NORM, "mistral": ROPE_NORM, "minicpm": ROPE_NORM,
-               "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX}
+               "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX, "gemma3": ROPE_NEOX}
 HYBRID_ARCHS = {"qwen35moe"}
 SUPPORTED_ARCHS = set(DENSE_ARCHS) | HYBRID_ARCHS
 
@@ -32,18 +32,17 @@ class RopeScaling:
     corr_dims: tuple[float, float] = (0.0, 0.0)
     mscale: float = 1.0
 
-    def frequencies(self, base: float, n_rot: int) -> np.ndarray:
-        """The n_rot/2 angular frequencies (f32)."""
-        extrap = (np.float32(base) ** (-np.arange(0, n_rot, 2, dtype=np.float32) / np.float32(n_rot)))
-        if self.factors is not None:
-            extrap = extrap / np.asarray(self.factors, np.float32)
-        freq = np.float32(self.freq_scale) * extrap
-        if self.ext_factor:
-            low, high = self.corr_dims
-            y = (np.arange(n_rot // 2, dtype=np.float32) - low) / max(0.001, high - low)
-            mix = (1 - np.clip(y, 0, 1)) * np.float32(self.ext_factor)
-            freq = freq * (1 - mix) + extrap * mix
-        return freq.astype(np.float32)
+    def scale(self, theta):
+        """The unscaled angles theta [..., n_rot/2] (jnp or numpy f32) as rope_yarn scales them: theta
+        / factors, interpolated by freq_scale, and with YaRN mixed back towards theta / factors."""
+        extrap = theta if self.factors is None else theta / np.asarray(self.factors, np.float32)
+        interp = np.float32(self.freq_scale) * extrap
+        if not self.ext_factor:
+            return interp
+        low, high = self.corr_dims
+        y = (np.arange(theta.shape[-1], dtype=np.float32) - np.float32(low)) / np.float32(max(0.001, high - low))
+        mix = ((1 - np.clip(y, 0, 1)) * np.float32(self.ext_factor)).astype(np.float32)
+        return interp * (1 - mix) + extrap * mix
 
     @property
     def magnitude(self) -> float:
@@ -72,6 +71,14 @@ class ModelSpec:
     residual_scale: float = 1.0  # minicpm: each block's output is multiplied by this
     logit_scale: float = 1.0  # logits are divided by this
     rope_scaling: RopeScaling | None = None  # llama3 rope_freqs, linear, YaRN (None: plain rope)
+    # gemma3: sliding-window layers (their own rope base, unscaled), norms after attention and after
+    # the FFN, a GELU-gated FFN, q scaled beyond 1/sqrt(head_dim), logits soft-capped
+    swa_layers: tuple[bool, ...] = ()
+    rope_base_swa: float = 10000.0
+    post_norms: bool = False
+    ffn_act: str = "silu"  # or "gelu" (tanh form)
+    q_scale: float = 1.0
+    logit_softcap: float = 0.0
 
     @property
     def n_group(self) -> int:
@@ -185,7 +192,8 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
         tied_embeddings="output.weight" not in g.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
         rope_scaling=_rope_scaling(g, arch, key, rope_dim, ctx_train),
-        **_scales(key, arch, n_layer, n_embd),
+        **{**_scales(key, arch, n_layer, n_embd),
+           **(_gemma3(g, key, n_layer, n_embd, n_head, head_dim, window) if arch == "gemma3" else {})},
     )
     _check_shapes(g, spec)
     return spec
@@ -258,6 +266,27 @@ def _scales(key, arch: str, n_layer: int, n_embd: int) -> dict[str, float]:
             "logit_scale": key("logit_scale", 256.0 / n_embd if minicpm else 1.0, kind=float)}
 
 
+def _gemma3(g: GGUFFile, key, n_layer: int, n_embd: int, n_head: int, head_dim: int, window) -> dict:
+    """Gemma 3's variant fields, as llama.cpp's llama_model_gemma3 loads them: sliding-window layers
+    by `attention.sliding_window_pattern` (a per-layer array, or n: every n-th layer global; absent:
+    6), their rope base `rope.freq_base_swa` (10000), embeddings scaled by sqrt(n_embd), q by
+    1/sqrt(head_dim) (the 62-layer 27B: 1/sqrt(n_embd / n_head)), `final_logit_softcapping`."""
+    swa = [False] * n_layer
+    if window:
+        pattern = g.get("gemma3.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            if len(pattern) != n_layer or not all(isinstance(v, (bool, int)) for v in pattern):
+                raise GGUFError(f"{g.path}: gemma3.attention.sliding_window_pattern must hold {n_layer} flags")
+            swa = [bool(v) for v in pattern]
+        else:
+            n = _number(g, "gemma3.attention.sliding_window_pattern", pattern)
+            swa = [n == 0 or i % n < n - 1 for i in range(n_layer)]
+    scale = 1.0 / math.sqrt(n_embd / n_head) if n_layer == 62 else 1.0 / math.sqrt(head_dim)
+    return dict(swa_layers=tuple(swa), rope_base_swa=key("rope.freq_base_swa", 10000.0, kind=float),
+                post_norms=True, ffn_act="gelu", embed_scale=math.sqrt(n_embd), q_scale=scale * math.sqrt(head_dim),
+                logit_softcap=key("final_logit_softcapping", 0.0, kind=float))
+
+
 def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
     """Fail at load, with the tensor named, rather than deep inside a jitted function."""
     expect = {"token_embd.weight": (spec.n_vocab, spec.n_embd), "output_norm.weight": (spec.n_embd,)}
@@ -278,6 +307,8 @@ def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
             expect[p + "ffn_up.weight"] = (spec.n_ff, spec.n_embd)
         if spec.qk_norm:
             expect[p + "attn_q_norm.weight"] = expect[p + "attn_k_norm.weight"] = (spec.head_dim,)
+        if spec.post_norms:
+            expect[p + "post_attention_norm.weight"] = expect[p + "post_ffw_norm.weight"] = (spec.n_embd,)
         if p + "attn_q.bias" in g.tensors:
             expect[p + "attn_q.bias"] = (spec.n_head * spec.head_dim,)
             expect[p + "attn_k.bias"] = expect[p + "attn_v.bias"] = (spec.kv_dim,)

@@ -84,6 +84,9 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True) 
     if spec.qk_norm:
         t["q_norm"] = load_tensor(g, p + "attn_q_norm.weight")
         t["k_norm"] = load_tensor(g, p + "attn_k_norm.weight")
+    if spec.post_norms:
+        t["attn_post_norm"] = load_tensor(g, p + "post_attention_norm.weight")
+        t["ffn_post_norm"] = load_tensor(g, p + "post_ffw_norm.weight")
     if p + "attn_q.bias" in g.tensors:
         for key, name in (("bq", "attn_q"), ("bk", "attn_k"), ("bv", "attn_v")):
             t[key] = load_tensor(g, p + name + ".bias")

@@ -222,12 +222,13 @@ def test_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
         "qwen2.rope.scaling.original_context_length": 32}))).rope_scaling
     assert (yarn.freq_scale, yarn.ext_factor, yarn.corr_dims) == (0.25, 1.0, (0.0, 1.0))
     assert yarn.magnitude == pytest.approx(1 + 0.1 * np.log(4.0))
-    freqs = yarn.frequencies(10000.0, 16)
-    plain_freqs = 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    plain_freqs = (10000.0 ** (-np.arange(0, 16, 2) / 16)).astype(np.float32)
+    freqs = yarn.scale(plain_freqs)  # the angles at position 1
+    # pair 0, below the ramp (corr dims 0..1), keeps its frequency; the others are interpolated
     assert freqs[0] == pytest.approx(plain_freqs[0]) and np.allclose(freqs[1:], plain_freqs[1:] / 4)
     llama3 = spec_from_gguf(open_gguf(write_tiny_llama(tmp_path / "l3.gguf", tensor_overrides={
         "rope_freqs.weight": np.array([1, 1, 1, 1, 2, 4, 8, 8], np.float32)}))).rope_scaling
-    assert np.allclose(llama3.frequencies(10000.0, 16), plain_freqs / [1, 1, 1, 1, 2, 4, 8, 8])
+    assert np.allclose(llama3.scale(plain_freqs), plain_freqs / [1, 1, 1, 1, 2, 4, 8, 8])
 
 
 def test_a_sliding_window_caps_the_context(tmp_path):

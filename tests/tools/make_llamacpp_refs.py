@@ -63,6 +63,14 @@ CONFIGS = {
     "qwen2_rope_yarn_f32": dict(arch="qwen2", weight_type=Q.F32, seed=13, extra_metadata={
         "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
         "qwen2.rope.scaling.original_context_length": 32}),
+    # Gemma 3: q/k norms, post-norms, GELU FFN, embeddings x sqrt(n_embd); layers 0 and 2 slide
+    # (rope base 10000), 1 and 3 are global (base 1e6); the window (128) covers every prompt
+    "gemma3_f32": dict(arch="gemma3", weight_type=Q.F32, seed=14, qk_norm=True, n_layer=4, extra_metadata={
+        "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
+        "gemma3.rope.freq_base": 1_000_000.0}),
+    "gemma3_q8_0": dict(arch="gemma3", weight_type=Q.Q8_0, seed=15, qk_norm=True, n_layer=4, extra_metadata={
+        "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
+        "gemma3.rope.freq_base": 1_000_000.0}),
 }
 # token ids of the fixture vocabulary (bytes at 3.., merges after 258): prompts of several lengths
 PROMPTS = [
