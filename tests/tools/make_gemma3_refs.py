@@ -16,7 +16,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pantheon.default_model import GEMMA3_SHA256, gemma3_270m_path  # noqa: E402
-from tests.tools.make_llamacpp_refs import free_port  # noqa: E402
+from tests.tools.make_llamacpp_refs import free_port, wait_healthy  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "llamacpp" / "gemma3_270m.json"
 HARD = ["Hello world", " leading space", "trailing space ", "  two  spaces\tand\ttabs\n\nnewlines\n",
@@ -51,13 +50,7 @@ def main(argv=None) -> int:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         out = {"model": path.name, "gguf_sha256": GEMMA3_SHA256,
                "llama_cpp": httpx.get(url + "/props", timeout=10).json().get("build_info", "unknown"),
                "tokenize": [], "sequences": []}

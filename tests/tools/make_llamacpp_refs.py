@@ -94,6 +94,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 60) -> None:
+    """Until llama-server answers /health 200, exits, or `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -109,16 +121,7 @@ def record(server: str, name: str, kwargs: dict, work: Path) -> dict:
                              "--no-warmup"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         if proc.poll() is not None:
             lines = (work / f"{name}.log").read_text(errors="replace").splitlines()
             errors = [x.strip() for x in lines if "error" in x.lower() or "unknown" in x.lower()]
