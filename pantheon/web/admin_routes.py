@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from quart import Blueprint, current_app
 
-from pantheon.config import MAX_MODEL_DIES, ModelConfig
+from pantheon.config import KV_DTYPE_CHOICES, MAX_MODEL_DIES, ModelConfig
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.web.errors import ApiError, invalid, json_body
 from pantheon.web.rows import operator_row
@@ -63,13 +64,22 @@ def load_config(body) -> ModelConfig:
             raise invalid("'dies' must be an array of device ordinals")
         if len(dies) > MAX_MODEL_DIES:
             raise invalid(f"too many dies ({len(dies)}; at most {MAX_MODEL_DIES})")
+    # Every per-model option the serve was started with is inherited (numerics and KV type
+    # included); the body overrides what it names.
     defaults = current_app.pantheon.config.model_config(path, name)
+    numerics, kv_dtype = body.get("numerics", defaults.numerics), body.get("kv_dtype", defaults.kv_dtype)
+    if numerics not in ("exact", "llamacpp"):
+        raise invalid("'numerics' must be \"exact\" or \"llamacpp\"")
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise invalid(f"'kv_dtype' must be one of {', '.join(KV_DTYPE_CHOICES)}")
     ctx_cap, max_sessions = _opt_int(body, "ctx_cap"), _opt_int(body, "max_sessions")
-    return ModelConfig(path=opened, name=defaults.name, ctx_cap=ctx_cap if ctx_cap > 0 else defaults.ctx_cap,
-                       max_sessions=max_sessions if max_sessions > 0 else defaults.max_sessions,
-                       max_concurrent=max(_opt_int(body, "max_concurrent"), 0),
-                       reasoning_budget=max(_opt_int(body, "reasoning_budget"), 0),
-                       dies=tuple(dies) if dies else None, quantize=bool(body.get("quantize", False)))
+    max_concurrent, budget = _opt_int(body, "max_concurrent"), _opt_int(body, "reasoning_budget")
+    return replace(defaults, path=opened, ctx_cap=ctx_cap if ctx_cap > 0 else defaults.ctx_cap,
+                   max_sessions=max_sessions if max_sessions > 0 else defaults.max_sessions,
+                   max_concurrent=max_concurrent if max_concurrent > 0 else defaults.max_concurrent,
+                   reasoning_budget=budget if budget > 0 else defaults.reasoning_budget,
+                   dies=tuple(dies) if dies else defaults.dies, quantize=bool(body.get("quantize", False)),
+                   numerics=numerics, kv_dtype=kv_dtype)
 
 
 @bp.route("/admin/models/load", methods=["POST"])

@@ -46,6 +46,7 @@ def operator_row(entry: ModelEntry) -> dict:
            "vram_bytes": sum(e.bytes_per_device().values()), "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            # what vram_bytes is made of: the weights as held (blocks or expanded) and the KV cache in its type
            "weights_bytes": e.weight_bytes, "kv_bytes": e.kv_bytes, "kv_dtype": e.kv_dtype_name,
+           "numerics": e.numerics.mode,
            "max_concurrent_configured": e.max_concurrent_configured,
            "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured,
            # max_sessions bounds the ids on the device; idle ones beyond it wait on the host tier

@@ -9,7 +9,7 @@ import pytest
 
 from pantheon.engine.embedding import normalize, pool, pooling_of
 from pantheon.web.response_store import Kept, ResponseStore
-from tests.web.inprocess import tiny_app
+from tests.web.inprocess import InProcessApp, tiny_app
 
 KEY = "sk-test-7f3a"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0}
@@ -157,3 +157,22 @@ def test_embeddings_route(app):
     assert abs(np.linalg.norm(v) - 1) < 1e-5 and reply["usage"]["prompt_tokens"] >= 4
     status, reply, _ = app.post("/v1/embeddings", {"model": "tiny", "input": "x", "encoding_format": "hex"})
     assert status == 400 and "encoding_format" in reply["error"]["message"]
+
+
+# ---- admin load inherits the serve's per-model options ------------------------------------------------
+def test_admin_load_inherits_numerics_and_kv_type(tmp_path_factory):
+    from tests.fixtures.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("inherit") / "tiny.gguf")
+    app = InProcessApp([], numerics="llamacpp", kv_dtype="f32", max_concurrent=2)
+    try:
+        status, row, _ = app.post("/admin/models/load", {"path": str(path), "name": "late"})
+        assert status == 200, row
+        assert (row["numerics"], row["kv_dtype"]) == ("llamacpp", "f32")
+        assert app.engine("late").numerics.mode == "llamacpp" and app.engine("late").max_concurrent == 2
+        status, row, _ = app.post("/admin/models/load", {"path": str(path), "name": "exact", "numerics": "exact"})
+        assert status == 200 and row["numerics"] == "exact"
+        status, row, _ = app.post("/admin/models/load", {"path": str(path), "name": "x", "numerics": "fast"})
+        assert status == 400 and "'numerics'" in row["error"]["message"]
+    finally:
+        app.close()
