@@ -87,3 +87,19 @@ def qwen35moe_q3_k_m_gguf(_qwen35moe_models) -> Path:
     from tests.fixtures.reference_qwen35moe import Q3_K_M_NAME
 
     return _qwen35moe_models(Q3_K_M_NAME)
+
+
+# ---- the fast lane ---------------------------------------------------------------------------------------
+SLOW_FIXTURES = {"smol_server", "gemma3_path"}  # a real server process; the real Gemma 3 file
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` every test that starts a real server (through these fixtures or ServerProcess in
+    its module) or reads a real model: `pytest -m "not slow"` runs the rest, in process."""
+    starts_servers: dict = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in starts_servers:
+            starts_servers[path] = "ServerProcess(" in path.read_text(errors="replace")
+        if starts_servers[path] or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
