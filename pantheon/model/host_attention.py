@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, slots) -> np.ndarray:
+def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, slots, window: int = 0) -> np.ndarray:
     """q [B, T, H, D], k/v [B, T, K, D] (device or host arrays); caches [slots+1, C, K, D] numpy,
     updated in place at the rows' positions (positions past C are dropped). Returns [B, T, H, D]."""
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
@@ -23,7 +23,10 @@ def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, sl
         keys, values = k_cache[slot, :s], v_cache[slot, :s]  # [S, K, D]
         qg = q[row].reshape(t, n_kv, h // n_kv, d)
         scores = np.einsum("tkgd,skd->tkgs", qg, keys) / np.sqrt(d)
-        scores = np.where(np.arange(s)[None, None, None, :] <= pos[:, None, None, None], scores, -np.inf)
+        visible = np.arange(s)[None, None, None, :] <= pos[:, None, None, None]
+        if window:  # a sliding-window layer: keys less than `window` positions back
+            visible &= pos[:, None, None, None] - np.arange(s)[None, None, None, :] < window
+        scores = np.where(visible, scores, -np.inf)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)

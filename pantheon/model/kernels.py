@@ -61,21 +61,22 @@ def choose(wanted: dict[str, bool], dtype=jnp.float32) -> Kernels:
     return tuple(sorted((name, mode(name, ok)) for name, ok in wanted.items()))
 
 
-def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels) -> jax.Array:
+def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels, window: int = 0) -> jax.Array:
     """Causal GQA attention of this step's queries against the slot cache (already holding this
     step's keys/values). q: [B, T, H, D]; caches [N_slots, C, K, D]; positions int32 [B, T]
     absolute; slots int32 [B]. Returns [B, T, H, D] in q's dtype.
 
     T == 1 (decode): dispatch.attention_decode reads each row's slot in place, up to its position
     (the reference gathers the first kv_len positions). Otherwise dispatch.attention_prefill on the
-    first kv_len positions of the rows' slots."""
+    first kv_len positions of the rows' slots. window > 0 (a sliding-window layer): the jnp path,
+    whose masks take the window (the kernels do not, yet: `windowed` gives such a layer reference modes)."""
     modes = dict(kernels)
-    if modes[attention_kernel(q.shape[1])] == "reference":
+    if window or modes[attention_kernel(q.shape[1])] == "reference":
         # The jnp path reads each row's slot in key blocks up to its position (the reference's
         # math, blocked): no kv_len gather, cost follows the positions attended.
         from pantheon.pallas.attention import cached_attention_blocked
 
-        return cached_attention_blocked(q, k_cache, v_cache, slots, positions)
+        return cached_attention_blocked(q, k_cache, v_cache, slots, positions, window=window)
     # The kernels take q in the cache's dtype (bf16 on a GPU: tensor-core dots, f32 softmax and
     # accumulation inside) and return it in that dtype.
     if q.shape[1] == 1:
@@ -85,6 +86,12 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels)
     keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]  # [B, S, K, D]
     out = dispatch.attention_prefill(q.astype(keys.dtype), keys, values, positions, mode=modes[ATTENTION_PREFILL])
     return out.astype(q.dtype)
+
+
+def windowed(kernels: Kernels) -> Kernels:
+    """A sliding-window layer's kernels: every attention kernel on the reference (jnp) path."""
+    return tuple((name, "reference" if name in (ATTENTION_PREFILL, ATTENTION_DECODE) else mode)
+                 for name, mode in kernels)
 
 
 def attention_modes(t: int, head_dim: int, cache_shape: tuple[int, ...]) -> dict[str, bool]:

@@ -107,7 +107,9 @@ def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics
     rows = slots[:, None]
     k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels)
+    # A window no shorter than the cache is plain causal attention: the layer keeps the fast kernels.
+    window = spec.swa_window if swa and k_cache.shape[1] > spec.swa_window else 0
+    attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels, window)
     return _tail(w, x, attn, spec, numerics), k_cache, v_cache
 
 
@@ -166,14 +168,19 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
     kernels = block_kernels(spec, cache, tokens.shape[1])
     static = dict(spec=spec, numerics=numerics, kv_len=kern.program_kv_len(kernels, kv_len, cache.ctx), kernels=kernels)
     plain = dict(spec=spec, numerics=numerics)
+    # A sliding-window layer (gemma3) is its own executable: its rope base, its window, jnp attention.
+    windowed = dict(static, swa=True)
+    if spec.swa_layers and cache.ctx > spec.swa_window:  # the window masks: the jnp attention path
+        wk = kern.windowed(kernels)
+        windowed.update(kernels=wk, kv_len=kern.program_kv_len(wk, kv_len, cache.ctx))
     for i, w in enumerate(params["layers"]):
-        swa = {"swa": True} if spec.swa_layers and spec.swa_layers[i] else {}  # its own executable
+        swa = bool(spec.swa_layers) and spec.swa_layers[i]
         if isinstance(ks[i], np.ndarray):  # this layer's KV lives on the host
-            q, k, v = call("attn_project", attn_project, (w, x, positions), {**plain, **swa})
-            attn = host_attend(q, k, v, ks[i], vs[i], positions, slots)
+            q, k, v = call("attn_project", attn_project, (w, x, positions), dict(plain, swa=True) if swa else plain)
+            attn = host_attend(q, k, v, ks[i], vs[i], positions, slots, spec.swa_window if swa else 0)
             x = call("attn_tail", attn_tail, (w, x, attn), plain)
         else:
-            x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), {**static, **swa})
+            x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), windowed if swa else static)
     logits = call("head", head, (params["head"], params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
     return logits, KVCache(ks, vs)

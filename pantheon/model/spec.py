@@ -74,6 +74,7 @@ class ModelSpec:
     # gemma3: sliding-window layers (their own rope base, unscaled), norms after attention and after
     # the FFN, a GELU-gated FFN, q scaled beyond 1/sqrt(head_dim), logits soft-capped
     swa_layers: tuple[bool, ...] = ()
+    swa_window: int = 0  # keys a sliding layer attends: q_pos - k_pos < swa_window
     rope_base_swa: float = 10000.0
     post_norms: bool = False
     ffn_act: str = "silu"  # or "gelu" (tanh form)
@@ -172,7 +173,7 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     _check_dense_variant(g, arch)
     ctx_train = key("context_length", 4096)
     window = key("attention.sliding_window", None)
-    if window is not None and window > 0:
+    if window is not None and window > 0 and arch != "gemma3":
         # Sliding-window attention (Mistral v0.1, Phi-3): within the window it is full causal
         # attention, so the window caps the context instead of being implemented.
         ctx_train = min(ctx_train, window)
@@ -282,7 +283,8 @@ def _gemma3(g: GGUFFile, key, n_layer: int, n_embd: int, n_head: int, head_dim: 
             n = _number(g, "gemma3.attention.sliding_window_pattern", pattern)
             swa = [n == 0 or i % n < n - 1 for i in range(n_layer)]
     scale = 1.0 / math.sqrt(n_embd / n_head) if n_layer == 62 else 1.0 / math.sqrt(head_dim)
-    return dict(swa_layers=tuple(swa), rope_base_swa=key("rope.freq_base_swa", 10000.0, kind=float),
+    return dict(swa_layers=tuple(swa), swa_window=int(window or 0),
+                rope_base_swa=key("rope.freq_base_swa", 10000.0, kind=float),
                 post_norms=True, ffn_act="gelu", embed_scale=math.sqrt(n_embd), q_scale=scale * math.sqrt(head_dim),
                 logit_softcap=key("final_logit_softcapping", 0.0, kind=float))
 

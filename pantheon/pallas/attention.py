@@ -61,13 +61,14 @@ def _pow2_floor(n: int) -> int:
 
 
 # ---- reference ------------------------------------------------------------------------------------
-def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, window: int = 0) -> jax.Array:
     """Causal grouped-query attention against keys at absolute positions 0..S-1 (plain jnp).
 
     q: [B, T, H, D]; k, v: [B, S, K, D] with H % K == 0; q_pos: int [B, T], the absolute position
     of each query. Key s is visible to query (b, t) iff s <= q_pos[b, t]; query head h uses kv
     head h // (H / K). Scores q.k / sqrt(D) and the softmax are float32. Returns [B, T, H, D] in
-    q's dtype; a query with no visible key (q_pos < 0) gets zeros."""
+    q's dtype; a query with no visible key (q_pos < 0) gets zeros. window > 0: a sliding window, key s
+    visible only while q_pos - s < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD)."""
     b, t, h, d = _check_attention_args(q, k, v, q_pos, "attention_reference")
     s, kh = k.shape[1], k.shape[2]
     # Zero value rows no query of the row can see, so stale NaN/inf there cannot leak through 0 * x.
@@ -76,6 +77,8 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
     qg = q.reshape(b, t, kh, h // kh, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
     visible = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    if window:
+        visible = visible & (q_pos[:, :, None] - jnp.arange(s)[None, None, :] < window)
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
     probs = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], probs, 0.0)  # no NaN rows
@@ -218,7 +221,8 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
 
 def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array,
-                             q_pos: jax.Array, block_k: int = 256, fine_k: int = 64, fine_span: int = 256) -> jax.Array:
+                             q_pos: jax.Array, block_k: int = 256, fine_k: int = 64, fine_span: int = 256,
+                             window: int = 0) -> jax.Array:
     """`attention_reference` read straight from the slot cache, one key block at a time (plain jnp,
     online softmax in float32) — the CPU serve path for prefill chunks and decode steps alike.
 
@@ -232,7 +236,8 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     run over the blocks up to the batch's largest position, so a step costs what its rows attend, not
     the cache length or a padded bucket, and nothing is gathered beyond one block. The partition
     is fixed by absolute position, and a block a row cannot see leaves its accumulators
-    bit-identical (scale 1, add 0), so a row's result does not depend on its batch-mates."""
+    bit-identical (scale 1, add 0), so a row's result does not depend on its batch-mates. window > 0:
+    a sliding window (as attention_reference's); the blocks before it are still visited, masked."""
     b, t, h, d = q.shape
     c, kh = k_cache.shape[1], k_cache.shape[2]
     g = h // kh
@@ -254,6 +259,8 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         kpos = start + jnp.arange(n)
         fresh = kpos >= first  # keys an earlier block already covered are skipped
         visible = fresh[None, None, :] & (kpos[None, None, :] <= q_pos[:, :, None])  # [B, T, n]
+        if window:
+            visible = visible & (q_pos[:, :, None] - kpos[None, None, :] < window)
         k = read(k_cache, start, n).astype(jnp.float32)
         v = read(v_cache, start, n).astype(jnp.float32)
         seen = fresh[None, :] & (kpos[None, :] <= last[:, None])  # [B, n]: no stale NaN leaks via 0 * x

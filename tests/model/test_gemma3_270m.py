@@ -45,7 +45,7 @@ def test_the_file_is_read_as_llama_cpp_reads_it(gemma):
         ("gemma3", 18, 640, 256, 4, 1)
     # every sixth layer is global (rope base 1e6), the others slide over 512 tokens (base 1e4)
     assert [i for i, swa in enumerate(spec.swa_layers) if not swa] == [5, 11, 17]
-    assert (spec.rope_base, spec.rope_base_swa, spec.ctx_train) == (1e6, 1e4, 512)
+    assert (spec.rope_base, spec.rope_base_swa, spec.swa_window, spec.ctx_train) == (1e6, 1e4, 512, 32768)
     assert spec.post_norms and spec.ffn_act == "gelu" and spec.embed_scale == pytest.approx(640 ** 0.5)
 
 

@@ -68,6 +68,10 @@ CONFIGS = {
     "gemma3_f32": dict(arch="gemma3", weight_type=Q.F32, seed=14, qk_norm=True, n_layer=4, extra_metadata={
         "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
         "gemma3.rope.freq_base": 1_000_000.0}),
+    # ... and a window of 8: most keys of the longer prompts fall outside it in the sliding layers
+    "gemma3_window8_f32": dict(arch="gemma3", weight_type=Q.F32, seed=16, qk_norm=True, n_layer=4, extra_metadata={
+        "gemma3.attention.sliding_window": 8, "gemma3.attention.sliding_window_pattern": 2,
+        "gemma3.rope.freq_base": 1_000_000.0}),
     "gemma3_q8_0": dict(arch="gemma3", weight_type=Q.Q8_0, seed=15, qk_norm=True, n_layer=4, extra_metadata={
         "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
         "gemma3.rope.freq_base": 1_000_000.0}),

@@ -1,0 +1,48 @@
+"""Sliding-window attention (gemma3's sliding layers): the blocked jnp path that serves them and the
+host fallback against the plain reference, on fresh random caches; a window as long as the context
+is plain causal attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pantheon.model.host_attention import host_attend
+from pantheon.pallas.attention import attention_reference, cached_attention_blocked
+
+
+def caches(rng, n_slots=3, ctx=80, kv=2, d=16):
+    k = rng.standard_normal((n_slots, ctx, kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_slots, ctx, kv, d)).astype(np.float32)
+    return k, v
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 80])
+@pytest.mark.parametrize("t", [1, 7])
+def test_blocked_window_matches_the_reference(window, t):
+    rng = np.random.default_rng(window * 10 + t)
+    k, v = caches(rng)
+    q = rng.standard_normal((2, t, 4, 16)).astype(np.float32)
+    slots = np.array([2, 0], np.int32)
+    pos = np.stack([np.arange(70 - t + 1, 71), np.arange(3, 3 + t)]).astype(np.int32)  # late and early rows
+    got = cached_attention_blocked(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots), jnp.asarray(pos),
+                                   fine_k=8, fine_span=16, block_k=32, window=window)
+    want = attention_reference(jnp.asarray(q), jnp.asarray(k[slots]), jnp.asarray(v[slots]), jnp.asarray(pos),
+                               window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    rows = np.arange(2)[:, None]  # this step's keys/values: what the cache already holds there
+    host = host_attend(q, k[slots][rows, pos], v[slots][rows, pos], k.copy(), v.copy(), pos, slots, window)
+    np.testing.assert_allclose(host, np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_a_window_covering_the_context_is_causal_attention():
+    rng = np.random.default_rng(0)
+    k, v = caches(rng, n_slots=1)
+    q = jnp.asarray(rng.standard_normal((1, 5, 4, 16)).astype(np.float32))
+    pos = jnp.asarray(np.arange(40, 45, dtype=np.int32)[None])
+    full = attention_reference(q, jnp.asarray(k), jnp.asarray(v), pos)
+    np.testing.assert_array_equal(np.asarray(attention_reference(q, jnp.asarray(k), jnp.asarray(v), pos, window=80)),
+                                  np.asarray(full))
+    assert not np.allclose(np.asarray(attention_reference(q, jnp.asarray(k), jnp.asarray(v), pos, window=4)),
+                           np.asarray(full), atol=1e-3)
