@@ -161,6 +161,7 @@ def create_app(ttl_s: float = 10.0, transport: httpx.AsyncBaseTransport | None =
     @app.route("/responses", methods=["POST"])
     @app.route("/v1/embeddings", methods=["POST"])
     @app.route("/embeddings", methods=["POST"])
+    @app.route("/completion", methods=["POST"])
     @app.route("/tokenize", methods=["POST"])
     @app.route("/detokenize", methods=["POST"])
     async def chat():

@@ -137,14 +137,15 @@ class ServerState:
 
 def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Quart:
     from pantheon.web import (admin_routes, anthropic_routes, completions_routes, dashboard, embeddings_routes,
-                              metrics, openai_routes, responses_routes, session_routes, test_hooks, tokenize_routes)
+                              metrics, native_routes, openai_routes, responses_routes, session_routes, test_hooks,
+                              tokenize_routes)
     from pantheon.web.observe import AccessLog, configure_access_log
 
     app = Quart("pantheon")
     app.pantheon = state = ServerState(config or ServeConfig.from_env())
     for bp in (openai_routes.bp, completions_routes.bp, anthropic_routes.bp, responses_routes.bp,
-               embeddings_routes.bp, tokenize_routes.bp, admin_routes.bp, session_routes.bp, test_hooks.bp, metrics.bp,
-               dashboard.bp):
+               embeddings_routes.bp, tokenize_routes.bp, native_routes.bp, admin_routes.bp, session_routes.bp,
+               test_hooks.bp, metrics.bp, dashboard.bp):
         app.register_blueprint(bp)
     # One access-log line and the request metrics per request, at the ASGI level: the status sent
     # and the end of the body (a stream's last chunk), whatever route or error produced it.

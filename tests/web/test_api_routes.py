@@ -176,3 +176,36 @@ def test_admin_load_inherits_numerics_and_kv_type(tmp_path_factory):
         assert status == 400 and "'numerics'" in row["error"]["message"]
     finally:
         app.close()
+
+
+# ---- llama-server's native /completion ----------------------------------------------------------------
+def test_native_completion(app):
+    status, body, _ = app.post("/completion", {"prompt": "hello", "n_predict": 4, "temperature": 0, "n_probs": 3,
+                                               "return_tokens": True})
+    assert status == 200 and body["stop"] is True and body["stop_type"] == "limit"
+    assert body["tokens_predicted"] == 4 == len(body["tokens"]) == len(body["completion_probabilities"])
+    assert body["timings"]["predicted_n"] == 4 and body["timings"]["prompt_n"] + body["timings"]["cache_n"] == \
+        body["tokens_evaluated"]
+    probs = body["completion_probabilities"][0]
+    assert probs["id"] == body["tokens"][0] and len(probs["top_logprobs"]) == 3 and probs["logprob"] <= 0
+    assert body["generation_settings"]["n_predict"] == 4 and body["has_new_line"] in (True, False)
+    # a top-level array with ids is one prompt; without, one result per prompt
+    status, one, _ = app.post("/completion", {"prompt": [1, 5, "hello", 9], "n_predict": 2, "temperature": 0})
+    assert status == 200 and isinstance(one, dict)
+    status, many, _ = app.post("/completion", {"prompt": ["hello", [1, 5, 9], {"prompt_string": "hi"}],
+                                               "n_predict": 2, "temperature": 0})
+    assert status == 200 and [r["index"] for r in many] == [0, 1, 2]
+    status, picked, _ = app.post("/completion", {"prompt": "hello", "n_predict": 2,
+                                                 "response_fields": ["content", "generation_settings/n_predict"]})
+    assert status == 200 and set(picked) == {"content", "generation_settings/n_predict"}
+
+
+def test_native_completion_stream_and_refusals(app):
+    status, events = app.stream("/completion", {"prompt": "hello", "n_predict": 3, "temperature": 0})
+    assert status == 200 and "[DONE]" not in events  # llama-server sends none
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert all(len(e["tokens"]) >= 1 for e in events[:-1]) and events[-1]["stop_type"] == "limit"
+    status, body, _ = app.post("/completion", {"prompt": "x " * 400, "n_predict": 2})  # tiny_app: 128 a slot
+    assert status == 400 and body["error"]["type"] == "exceed_context_size_error" and body["error"]["n_ctx"] > 0
+    assert app.post("/completion", {"prompt": [1, None]})[0] == 400
+    assert app.post("/completion", {"n_predict": 2})[0] == 400

@@ -5,7 +5,7 @@ class; and afterwards the server still answers GET / and a normal chat.
 
 Routes (pantheon/web/*_routes.py): POST /v1/chat/completions, /v1/completions, /v1/messages,
 /v1/messages/count_tokens (Anthropic's error shape), /v1/responses, /v1/embeddings, /tokenize,
-/detokenize, /admin/models/load, /admin/models/unload, /admin/session/export, /session/restore,
+/detokenize, /completion (llama-server's own), /admin/models/load, /admin/models/unload, /admin/session/export, /session/restore,
 /session/release, /admin/test/faults (404 without PANTHEON_TEST_HOOKS); GET /, /v1/models,
 /v1/responses/{id}, /admin/models, /admin/dies, /session/estimate, /session/watch.
 
@@ -198,6 +198,13 @@ TOKENIZE_FIELDS = {"content": either(st.one_of(texts, st.lists(st.one_of(texts, 
                    "add_special": scalars, "parse_special": scalars, "with_pieces": scalars,
                    "model": CHAT_FIELDS["model"]}
 DETOKENIZE_FIELDS = {"tokens": either(token_ids), "model": CHAT_FIELDS["model"]}
+NATIVE_FIELDS = {"prompt": either(st.one_of(PROMPTS, st.fixed_dictionaries({"prompt_string": texts}))),
+                 "n_predict": either(st.integers(-2, 3)), "n_probs": either(st.integers(-1, 25)), "stream": scalars,
+                 "temperature": numbers, "top_k": INTS, "top_p": numbers, "seed": numbers, "ignore_eos": scalars,
+                 "logit_bias": either(st.lists(st.tuples(st.one_of(INTS, texts), st.one_of(numbers, st.booleans())),
+                                               max_size=3)),
+                 "return_tokens": scalars, "response_fields": either(st.lists(texts, max_size=3)),
+                 "stop": CHAT_FIELDS["stop"]}
 MESSAGES_BODY = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -244,7 +251,8 @@ POST_ROUTES = {CHAT: (NORMAL_CHAT, CHAT_FIELDS),
                "/v1/responses": ({"model": "tiny", "input": "hello", "max_output_tokens": 2}, RESPONSES_FIELDS),
                "/v1/embeddings": ({"model": "tiny", "input": "hello"}, EMBEDDING_FIELDS),
                "/tokenize": ({"content": "hello"}, TOKENIZE_FIELDS),
-               "/detokenize": ({"tokens": [1, 2]}, DETOKENIZE_FIELDS)}
+               "/detokenize": ({"tokens": [1, 2]}, DETOKENIZE_FIELDS),
+               "/completion": ({"prompt": "hello", "n_predict": 2}, NATIVE_FIELDS)}
 
 EDGE_QUERY_VALUES = st.sampled_from(["1", "0", "-1", "nan", "inf", "-inf", "1e308", "1e400", "1e305", "1e300",
                                      "4.9e-324", "0x10", "1_000", " 5 ", "", "tiny", "fz-a", "%ff%fe", "%00",

@@ -1,0 +1,217 @@
+"""POST /completion: llama-server's own (non-OpenAI) completion API, for its clients and its test
+suite, on the same request model: the prompt raw (text, token ids, text and ids mixed, or several
+prompts: a JSON list of results), `n_predict`, sampling, `n_probs` (`completion_probabilities`),
+`return_tokens`, `response_fields`; the response as llama-server shapes it (`content`, `tokens`,
+`stop_type`, `timings`, `generation_settings`, ...). Streamed: one `data:` object per token and a
+final one with `stop: true`, no `[DONE]` (as llama-server)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from quart import Blueprint, Response, current_app
+
+from pantheon.engine.chat import plan_chat
+from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.web import sse
+from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, sampling_fields
+from pantheon.web.errors import ApiError, invalid, json_body
+from pantheon.web.generation import STATUS, collect_one, plan_and_submit
+
+bp = Blueprint("native", __name__)
+
+MAX_PROMPTS = 16
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _prompts(value) -> list:
+    """llama-server's rule: a top-level array holding any number is one prompt (text and ids
+    mixed); otherwise each element is a prompt (text, ids, or {"prompt_string": text})."""
+    if isinstance(value, dict):
+        value = value.get("prompt_string")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if any(_is_id(v) for v in value):
+            if not all(_is_id(v) or isinstance(v, str) for v in value):
+                raise invalid("'prompt' mixes token ids with something that is neither text nor an id")
+            return [value]
+        out = []
+        for p in value:
+            if isinstance(p, dict):
+                p = p.get("prompt_string")
+            if not (isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(v) or isinstance(v, str)
+                                                                              for v in p))):
+                raise invalid("each prompt must be text, token ids, or {\"prompt_string\": text}")
+            out.append(p)
+        if len(out) > MAX_PROMPTS:
+            raise invalid(f"at most {MAX_PROMPTS} prompts per request")
+        return out
+    raise invalid("'prompt' is required: text, token ids, or an array of prompts")
+
+
+def _token_ids(engine, prompt) -> list[int]:
+    """Text tokenized with BOS as the model says (only before leading text) and special tokens
+    parsed, as llama-server tokenizes a prompt; ids as they are."""
+    tok = engine.tokenizer
+    if isinstance(prompt, str):
+        return tok.encode(prompt, parse_special=True, add_bos=None)
+    ids = []
+    for k, piece in enumerate(prompt):
+        ids += [piece] if _is_id(piece) else tok.encode(piece, parse_special=True, add_bos=None if k == 0 else False)
+    return ids
+
+
+def _logit_bias(value, engine) -> dict:
+    """[[id or text, bias or false], ...] or {id or text: bias}; false bans (-100)."""
+    pairs = value.items() if isinstance(value, dict) else value if isinstance(value, list) else []
+    out = {}
+    for pair in pairs:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            continue
+        key, bias = pair
+        bias = -100.0 if bias is False else bias
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            continue
+        if isinstance(key, str) and not key.strip().lstrip("-").isdigit():
+            ids = engine.tokenizer.encode(key, parse_special=False, add_bos=False)
+        else:
+            try:
+                ids = [int(key)]
+            except (TypeError, ValueError):
+                continue
+        for i in ids:
+            out[str(i)] = bias
+    return out
+
+
+def _request(body: dict, engine, prompt) -> ChatRequest:
+    n_predict = body.get("n_predict", body.get("max_tokens", -1))
+    if isinstance(n_predict, bool) or not isinstance(n_predict, int):
+        raise invalid("'n_predict' must be an integer")
+    n_probs = body.get("n_probs", 0)
+    if isinstance(n_probs, bool) or not isinstance(n_probs, int) or n_probs < 0:
+        raise invalid("'n_probs' must be a non-negative integer")
+    bias = _logit_bias(body.get("logit_bias"), engine)
+    if body.get("ignore_eos") is True:
+        bias.update({str(t): -100.0 for t in engine.tokenizer.eog_ids})
+    seed = body.get("seed")
+    fields = sampling_fields({
+        "model": engine.name, "temperature": body.get("temperature", 0.8), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
+        "max_tokens": MAX_TOKENS_CAP if n_predict < 0 else max(n_predict, 1), "stop": body.get("stop"),
+        "stream": body.get("stream", False), "seed": None if seed in (None, -1) else seed,
+        "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
+        "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20)})
+    return ChatRequest(messages=[], prompt=_token_ids(engine, prompt), **fields)
+
+
+def _probs(engine, tokens) -> list[dict]:
+    tok = engine.tokenizer
+
+    def entry(i: int, lp: float) -> dict:
+        raw = tok.token_bytes(i)
+        return {"id": i, "token": raw.decode("utf-8", errors="ignore"), "bytes": list(raw),
+                "logprob": max(lp, -3.4028234663852886e38)}
+
+    return [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]
+
+
+def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, end: ChoiceEnd | None,
+           req_end: RequestEnd, index: int) -> dict:
+    finish = end.finish_reason if end else "stop"
+    stop_type = "limit" if finish == "length" else "word" if end and end.stop_string else "eos"
+    timing = req_end.timing or {}
+    prompt_n = req_end.prompt_tokens - req_end.cached_tokens
+    prompt_ms, predicted_ms = timing.get("prefill_ms", 0.0), timing.get("decode_step_ms", 0.0)
+    n_probs = int(body.get("n_probs", 0) or 0)
+    out = {"index": index, "content": content, "tokens": [t.token for t in tokens] if body.get("return_tokens") else [],
+           "id_slot": 0, "stop": True, "model": engine.name, "tokens_predicted": req_end.completion_tokens,
+           "tokens_evaluated": req_end.prompt_tokens,
+           "generation_settings": {"n_predict": -1 if chat.max_tokens == MAX_TOKENS_CAP else chat.max_tokens,
+                                   "seed": chat.seed if chat.seed is not None else -1, "temperature": chat.temperature,
+                                   "top_k": chat.top_k, "top_p": chat.top_p, "stop": chat.stop, "stream": chat.stream,
+                                   "n_probs": n_probs, "max_tokens": chat.max_tokens},
+           "prompt": engine.tokenizer.decode(chat.prompt), "has_new_line": "\n" in content, "truncated": False,
+           "stop_type": stop_type, "stopping_word": (end.stop_string or "") if end else "",
+           "tokens_cached": req_end.prompt_tokens + req_end.completion_tokens,
+           "timings": {"cache_n": req_end.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                       "prompt_per_token_ms": prompt_ms / max(prompt_n, 1),
+                       "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
+                       "predicted_n": req_end.completion_tokens, "predicted_ms": predicted_ms,
+                       "predicted_per_token_ms": predicted_ms / max(req_end.completion_tokens, 1),
+                       "predicted_per_second": 1e3 * req_end.completion_tokens / predicted_ms if predicted_ms else 0.0}}
+    if n_probs and not chat.stream:
+        out["completion_probabilities"] = _probs(engine, tokens)
+    fields = body.get("response_fields")
+    if isinstance(fields, list) and fields:  # only these (a "/"-path reads inside), flat keys
+        picked = {}
+        for f in fields:
+            value, found = out, True
+            for part in str(f).split("/"):
+                if isinstance(value, dict) and part in value:
+                    value = value[part]
+                else:
+                    found = False
+                    break
+            if found:
+                picked[str(f)] = value
+        out = picked
+    return out
+
+
+async def _submit(chat: ChatRequest):
+    try:
+        return await plan_and_submit(chat, plan_chat)
+    except ApiError as e:
+        if e.type == "context_over_budget":  # llama-server's own type and status for it
+            raise ApiError(400, "exceed_context_size_error", e.message, n_prompt_tokens=e.fields.get("kv_used"),
+                           n_ctx=e.fields.get("kv_cap")) from None
+        raise
+
+
+@bp.route("/completion", methods=["POST"])
+async def completion():
+    body = await json_body()
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    model = body.get("model")
+    engine = current_app.pantheon.resolve(model if isinstance(model, str) else None)
+    prompts = _prompts(body.get("prompt"))
+    chats = [_request(body, engine, p) for p in prompts]
+    if chats[0].stream:
+        if len(chats) > 1:
+            raise invalid("streaming takes one prompt")
+        _, _, events = await _submit(chats[0])
+        return sse.streaming_response(_stream(engine, chats[0], body, events))
+    results = []
+    for i, chat in enumerate(chats):
+        _, _, events = await _submit(chat)
+        choice, end = await collect_one(events)
+        results.append(_final(engine, chat, body, choice.content, choice.tokens, choice.end, end, i))
+    return Response(json.dumps(results if len(results) > 1 else results[0]), content_type="application/json")
+
+
+async def _stream(engine, chat: ChatRequest, body: dict, events):
+    n_probs, produced, choice_end = int(body.get("n_probs", 0) or 0), 0, None
+    try:
+        async for ev in events:
+            if isinstance(ev, Delta) and (ev.content or ev.tokens):
+                produced += len(ev.tokens)
+                part = {"index": 0, "content": ev.content, "tokens": [t.token for t in ev.tokens], "stop": False,
+                        "id_slot": 0, "tokens_predicted": produced, "tokens_evaluated": len(chat.prompt)}
+                if n_probs:
+                    part["completion_probabilities"] = _probs(engine, ev.tokens)
+                yield sse.event(part)
+            elif isinstance(ev, ChoiceEnd):
+                choice_end = ev
+            elif isinstance(ev, RequestEnd):
+                yield sse.event(_final(engine, chat, body, "", [], choice_end, ev, 0))
+            elif isinstance(ev, RequestError):
+                yield sse.event({"error": {"code": STATUS.get(ev.type, 500), "message": ev.message, "type": ev.type}})
+                return
+    finally:
+        await events.aclose()
