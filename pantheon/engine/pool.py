@@ -77,7 +77,8 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     their blocks only (weights._load_resident, either numerics); plus KV of
     `kv_itemsize` bytes a value (default: the compute dtype's) for n_slots + the scratch slot (every layer counted, an upper bound for the
     hybrid's attention-only KV)."""
-    q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items() if expert_role(name))
+    q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items()
+                           if expert_role(name)) if arch == "qwen35moe" else frozenset()
     resident = arch != "qwen35moe" and itemsize == 4 and native_build.available()
     weights = 0
     for name, (shape, kind, nbytes) in tensors.items():

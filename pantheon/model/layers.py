@@ -85,3 +85,41 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE)
         return int_linear(x, w)
     x = quantize_activations(x, scheme)
     return jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+# ---- routed experts (qwen35moe's non-Q3_K experts, qwen3moe, llama with experts) ------------------------
+def _rows_per_block(assignments: int, n_expert: int) -> int:
+    """Block height for grouped expert matmuls: about the mean rows per expert (power of two, <= 64)."""
+    mean = max(1, assignments // n_expert)
+    return min(64, 1 << (mean.bit_length() - 1))
+
+
+def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
+    """Every token through each of its chosen experts. x: [N, E]; experts: [N, k] ids;
+    w_gate/w_up: [X, E, F]; w_down: [X, F, E]. Returns [N, k, E].
+
+    The N*k assignments are sorted by expert and packed into blocks of `rows` rows, each block
+    owned by one expert, so a block is a dense matmul against one expert's weights and only chosen
+    experts are read (decode: rows = 1, one weight read per assignment)."""
+    n, k = experts.shape
+    n_expert, a = w_gate.shape[0], n * k
+    rows = _rows_per_block(a, n_expert)
+    n_blocks = (a + min(a, n_expert) * (rows - 1)) // rows  # static bound: each used expert adds < 1 block
+
+    flat = experts.reshape(a)
+    order = jnp.argsort(flat, stable=True)  # assignment ids grouped by expert
+    sorted_e = flat[order]
+    count = jnp.bincount(flat, length=n_expert)  # [X]
+    padded = (count + rows - 1) // rows * rows  # each expert's rows rounded up to whole blocks
+    dest = (jnp.cumsum(padded) - padded)[sorted_e] + jnp.arange(a) - (jnp.cumsum(count) - count)[sorted_e]
+    packed = jnp.zeros((n_blocks * rows, x.shape[-1]), x.dtype).at[dest].set(x[order // k])
+    # a block belongs to the expert whose packed range holds its first row (unused blocks: any)
+    owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * rows, side="right")
+    owner = jnp.minimum(owner, n_expert - 1)
+
+    def block(args):
+        xb, e = args  # [rows, E], expert id
+        return swiglu(xb, w_gate[e], w_up[e], w_down[e], schemes)
+
+    y = jax.lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
+    return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)

@@ -1,4 +1,5 @@
-"""The dense llama family (llama, mistral, minicpm, phi3, qwen2, qwen3, gemma3) as pure functions.
+"""The dense llama family (llama, mistral, minicpm, phi3, qwen2, qwen3, gemma3; qwen3moe and llama
+with routed experts) as pure functions.
 
 A step is three compiled programs: `embed`, one `block` program called once per layer (the same
 executable for every layer: compiled once, 0.3 s, instead of 5-18 s for an unrolled 30-layer
@@ -22,7 +23,8 @@ import numpy as np
 
 from pantheon.model import kernels as kern
 from pantheon.model.host_attention import host_attend
-from pantheon.model.layers import linear, rms_norm, rope, swiglu, swiglu_down
+from pantheon.model.layers import grouped_experts, linear, rms_norm, rope, swiglu, swiglu_down
+from pantheon.pallas.moe import route
 from pantheon.model.numerics import Numerics, gelu
 from pantheon.native.qmatmul import QMatrix, embed_rows
 from pantheon.model.spec import ModelSpec
@@ -76,11 +78,24 @@ def _tail(w, x, attn, spec: ModelSpec, num: Numerics):
         return _gemma_tail(w, x + rms_norm(out, w["attn_post_norm"], spec.rms_eps), spec, num)
     x = x + spec.residual_scale * out
     h = rms_norm(x, w["ffn_norm"], spec.rms_eps)
+    if spec.n_expert:
+        return x + _routed_experts(w, h, spec, num)
     if "w_gate_up" in w:  # fused at load (weights.FUSED)
         gate, up = jnp.split(linear(h, w["w_gate_up"], num.scheme("w_gate")), 2, -1)
         return x + spec.residual_scale * swiglu_down(gate, up, w["w_down"], num.scheme("w_down"))
     schemes = tuple(num.scheme(key) for key in ("w_gate", "w_up", "w_down"))
     return x + spec.residual_scale * swiglu(h, w["w_gate"], w["w_up"], w["w_down"], schemes)
+
+
+def _routed_experts(w, h, spec: ModelSpec, num: Numerics):
+    """The routed-expert FFN (qwen3moe, Mixtral), as llama.cpp's build_moe_ffn with softmax gating
+    and normalised weights: each token's top n_expert_used experts by the router's softmax, their
+    SwiGLU outputs summed by the renormalised probabilities. h: [B, T, E]."""
+    flat = h.reshape(-1, h.shape[-1])
+    weights, experts = route(flat @ w["router"], spec.n_expert_used)
+    schemes = tuple(num.scheme(key) for key in ("w_gate", "w_up", "w_down"))
+    out = grouped_experts(flat, experts, w["exp_gate"], w["exp_up"], w["exp_down"], schemes)
+    return jnp.einsum("nk,nke->ne", weights, out).reshape(h.shape)
 
 
 def _gemma_tail(w, x, spec: ModelSpec, num: Numerics):

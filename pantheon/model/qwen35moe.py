@@ -24,7 +24,7 @@ pantheon.pallas.dispatch; each layer program's static `kernels` records the impl
 traced with. When every layer's expert gate and up tensors (or the fused gate_up) are Q3_K, they
 stay Q3_K blocks on the device (`Q3KPlanes`, 114 bytes per 110 GGUF bytes) instead of being
 dequantized to float32, and so does down where it is Q3_K too (`q3k_expert_roles`); other experts
-keep the float32 path (`_grouped_experts`). Both paths route with pantheon.pallas.moe.route
+keep the float32 path (`layers.grouped_experts`). Both paths route with pantheon.pallas.moe.route
 (SPEC §5). With `llamacpp` numerics every other
 quantized matrix loads as numerics.IntBlocks and multiplies in llama.cpp's integer arithmetic
 (the Q3_K kernel has its own integer mode)."""
@@ -42,7 +42,7 @@ from jax import lax
 
 from pantheon.gguf.reader import GGUFFile
 from pantheon.model import kernels as kern
-from pantheon.model.layers import linear, rms_norm, rope, swiglu
+from pantheon.model.layers import grouped_experts, linear, rms_norm, rope, swiglu
 from pantheon.gguf.quants import SCALE_FIELDS
 from pantheon.model.numerics import IntBlocks, Numerics, int_linear, quantize_activations, scheme_for, silu
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
@@ -277,47 +277,10 @@ def _attention(w, k_cache, v_cache, h, positions, slots, spec: HybridSpec, num: 
     return linear(o.reshape(b, t, -1), w["wo"], num.scheme("wo")), k_cache, v_cache
 
 
-def _rows_per_block(assignments: int, n_expert: int) -> int:
-    """Block height for grouped expert matmuls: about the mean rows per expert (power of two, <= 64)."""
-    mean = max(1, assignments // n_expert)
-    return min(64, 1 << (mean.bit_length() - 1))
-
-
-def _grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
-    """Every token through each of its chosen experts. x: [N, E]; experts: [N, k] ids;
-    w_gate/w_up: [X, E, F]; w_down: [X, F, E]. Returns [N, k, E].
-
-    The N*k assignments are sorted by expert and packed into blocks of `rows` rows, each block
-    owned by one expert, so a block is a dense matmul against one expert's weights and only chosen
-    experts are read (decode: rows = 1, one weight read per assignment)."""
-    n, k = experts.shape
-    n_expert, a = w_gate.shape[0], n * k
-    rows = _rows_per_block(a, n_expert)
-    n_blocks = (a + min(a, n_expert) * (rows - 1)) // rows  # static bound: each used expert adds < 1 block
-
-    flat = experts.reshape(a)
-    order = jnp.argsort(flat, stable=True)  # assignment ids grouped by expert
-    sorted_e = flat[order]
-    count = jnp.bincount(flat, length=n_expert)  # [X]
-    padded = (count + rows - 1) // rows * rows  # each expert's rows rounded up to whole blocks
-    dest = (jnp.cumsum(padded) - padded)[sorted_e] + jnp.arange(a) - (jnp.cumsum(count) - count)[sorted_e]
-    packed = jnp.zeros((n_blocks * rows, x.shape[-1]), x.dtype).at[dest].set(x[order // k])
-    # a block belongs to the expert whose packed range holds its first row (unused blocks: any)
-    owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * rows, side="right")
-    owner = jnp.minimum(owner, n_expert - 1)
-
-    def block(args):
-        xb, e = args  # [rows, E], expert id
-        return swiglu(xb, w_gate[e], w_up[e], w_down[e], schemes)
-
-    y = lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
-    return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)
-
-
 def _ffn(w, x, spec: HybridSpec, num: Numerics, kernels: kern.Kernels):
     """x + MoE(h) + shared expert(h), h = RMSNorm(x) * post_attention_norm (SPEC §5). x: [B, T, E].
     Q3_K gate/up experts (Q3KPlanes) run through dispatch.moe_ffn (with Q3_K planes or a dense down),
-    other experts through `_grouped_experts`."""
+    other experts through `layers.grouped_experts`."""
     h = rms_norm(x, w["post_norm"], spec.rms_eps).reshape(-1, x.shape[-1])  # [N, E]
     router_logits = h @ w["router"]  # [N, X], f32 (_KEEP_F32)
     schemes = tuple(num.scheme(key) for key in _EXPERTS)
@@ -327,7 +290,7 @@ def _ffn(w, x, spec: HybridSpec, num: Numerics, kernels: kern.Kernels):
                                   mode=dict(kernels)[kern.MOE_Q3K])
     else:
         weights, experts = route(router_logits, spec.n_expert_used)
-        routed = jnp.einsum("nk,nke->ne", weights, _grouped_experts(h, experts, w["exp_gate"], w["exp_up"],
+        routed = jnp.einsum("nk,nke->ne", weights, grouped_experts(h, experts, w["exp_gate"], w["exp_up"],
                                                                      w["exp_down"], schemes))
     schemes = tuple(num.scheme(key) for key in ("sh_gate", "sh_up", "sh_down"))
     shared = swiglu(h, w["sh_gate"], w["sh_up"], w["sh_down"], schemes) * jax.nn.sigmoid(h @ w["sh_gate_inp"])[:, None]

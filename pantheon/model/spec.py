@@ -14,7 +14,7 @@ from pantheon.gguf.reader import GGUFError, GGUFFile, shown
 ROPE_NORM, ROPE_NEOX = "norm", "neox"
 
 DENSE_ARCHS = {"llama": ROPE_NORM, "mistral": ROPE_NORM, "minicpm": ROPE_NORM,
-               "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX, "gemma3": ROPE_NEOX}
+               "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "phi3": ROPE_NEOX, "gemma3": ROPE_NEOX, "qwen3moe": ROPE_NEOX}
 HYBRID_ARCHS = {"qwen35moe"}
 SUPPORTED_ARCHS = set(DENSE_ARCHS) | HYBRID_ARCHS
 
@@ -80,6 +80,11 @@ class ModelSpec:
     ffn_act: str = "silu"  # or "gelu" (tanh form)
     q_scale: float = 1.0
     logit_softcap: float = 0.0
+    # routed experts instead of the FFN (qwen3moe, llama with experts: Mixtral): softmax over the
+    # router's logits, the top n_expert_used renormalised, each a SwiGLU of width n_ff_exp
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     @property
     def n_group(self) -> int:
@@ -194,7 +199,8 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
         rope_scaling=_rope_scaling(g, arch, key, rope_dim, ctx_train),
         **{**_scales(key, arch, n_layer, n_embd),
-           **(_gemma3(g, key, n_layer, n_embd, n_head, head_dim, window) if arch == "gemma3" else {})},
+           **(_gemma3(g, key, n_layer, n_embd, n_head, head_dim, window) if arch == "gemma3" else {}),
+           **_experts(g, key, n_ff)},
     )
     _check_shapes(g, spec)
     return spec
@@ -252,8 +258,10 @@ def _check_dense_variant(g: GGUFFile, arch: str) -> None:
     for name, what in _UNSUPPORTED_TENSORS.items():
         if name in g.tensors:
             raise GGUFError(f"{g.path}: tensor {shown(name)}: {what} are not supported")
-    if "blk.0.ffn_gate_inp.weight" in g.tensors:
+    if "blk.0.ffn_gate_inp.weight" in g.tensors and arch not in ("llama", "qwen3moe"):
         raise GGUFError(f"{g.path}: {arch} with routed experts (ffn_gate_inp) is not supported")
+    if arch == "qwen3moe" and "blk.0.ffn_gate_inp.weight" not in g.tensors:
+        raise GGUFError(f"{g.path}: qwen3moe without routed experts (no blk.0.ffn_gate_inp.weight)")
 
 
 def _scales(key, arch: str, n_layer: int, n_embd: int) -> dict[str, float]:
@@ -289,6 +297,17 @@ def _gemma3(g: GGUFFile, key, n_layer: int, n_embd: int, n_head: int, head_dim: 
                 logit_softcap=key("final_logit_softcapping", 0.0, kind=float))
 
 
+def _experts(g: GGUFFile, key, n_ff: int) -> dict:
+    """The routed experts of a dense-family file (`ffn_gate_inp` in its layers): how many, how many a
+    token uses, their width (`expert_feed_forward_length`, else the FFN's)."""
+    if "blk.0.ffn_gate_inp.weight" not in g.tensors:
+        return {}
+    n_expert, used = key("expert_count", required=True), key("expert_used_count", required=True)
+    if not 0 < used <= n_expert <= 4096:
+        raise GGUFError(f"{g.path}: expert_used_count {used} must be within 1..expert_count ({n_expert})")
+    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=key("expert_feed_forward_length", n_ff))
+
+
 def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
     """Fail at load, with the tensor named, rather than deep inside a jitted function."""
     expect = {"token_embd.weight": (spec.n_vocab, spec.n_embd), "output_norm.weight": (spec.n_embd,)}
@@ -297,7 +316,13 @@ def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
         expect[p + "attn_norm.weight"] = (spec.n_embd,)
         expect[p + "ffn_norm.weight"] = (spec.n_embd,)
         expect[p + "attn_output.weight"] = (spec.n_embd, spec.n_head * spec.head_dim)
-        expect[p + "ffn_down.weight"] = (spec.n_embd, spec.n_ff)
+        if spec.n_expert:
+            x, f = spec.n_expert, spec.n_ff_exp
+            expect[p + "ffn_gate_inp.weight"] = (x, spec.n_embd)
+            expect[p + "ffn_gate_exps.weight"] = expect[p + "ffn_up_exps.weight"] = (x, f, spec.n_embd)
+            expect[p + "ffn_down_exps.weight"] = (x, spec.n_embd, f)
+        else:
+            expect[p + "ffn_down.weight"] = (spec.n_embd, spec.n_ff)
         if spec.arch == "phi3":
             expect[p + "attn_qkv.weight"] = (spec.n_head * spec.head_dim + 2 * spec.kv_dim, spec.n_embd)
             expect[p + "ffn_up.weight"] = (2 * spec.n_ff, spec.n_embd)
@@ -305,8 +330,9 @@ def _check_shapes(g: GGUFFile, spec: ModelSpec) -> None:
             expect[p + "attn_q.weight"] = (spec.n_head * spec.head_dim, spec.n_embd)
             expect[p + "attn_k.weight"] = (spec.kv_dim, spec.n_embd)
             expect[p + "attn_v.weight"] = (spec.kv_dim, spec.n_embd)
-            expect[p + "ffn_gate.weight"] = (spec.n_ff, spec.n_embd)
-            expect[p + "ffn_up.weight"] = (spec.n_ff, spec.n_embd)
+            if not spec.n_expert:
+                expect[p + "ffn_gate.weight"] = (spec.n_ff, spec.n_embd)
+                expect[p + "ffn_up.weight"] = (spec.n_ff, spec.n_embd)
         if spec.qk_norm:
             expect[p + "attn_q_norm.weight"] = expect[p + "attn_k_norm.weight"] = (spec.head_dim,)
         if spec.post_norms:

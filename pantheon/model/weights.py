@@ -63,7 +63,12 @@ def _matrices(g: GGUFFile, spec: ModelSpec, i: int, load) -> dict:
     """One layer's matrices [out, in] as `load(g, name)` gives them (rows split where the GGUF
     fuses them)."""
     p = f"blk.{i}."
-    t = {"wo": load(g, p + "attn_output.weight"), "w_down": load(g, p + "ffn_down.weight")}
+    t = {"wo": load(g, p + "attn_output.weight")}
+    if spec.n_expert:  # routed experts instead of the FFN: their own tensors (`_layer_tensors`)
+        for key, name in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v")):
+            t[key] = load(g, p + name + ".weight")
+        return t
+    t["w_down"] = load(g, p + "ffn_down.weight")
     if spec.arch == "phi3":  # fused projections: split them so one block function serves all
         qkv, up = load(g, p + "attn_qkv.weight"), load(g, p + "ffn_up.weight")
         q_rows = spec.n_head * spec.head_dim
@@ -87,6 +92,12 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True) 
     if spec.post_norms:
         t["attn_post_norm"] = load_tensor(g, p + "post_attention_norm.weight")
         t["ffn_post_norm"] = load_tensor(g, p + "post_ffw_norm.weight")
+    if spec.n_expert:
+        # The router [E, X] (f32: a rounding can swap two close experts) and the experts as f32
+        # [X, in, out] for layers.grouped_experts (their blocks are not read by a kernel yet).
+        t["router"] = np.ascontiguousarray(load_tensor(g, p + "ffn_gate_inp.weight").T)
+        for key, name in (("exp_gate", "ffn_gate_exps"), ("exp_up", "ffn_up_exps"), ("exp_down", "ffn_down_exps")):
+            t[key] = np.ascontiguousarray(np.swapaxes(load_tensor(g, p + name + ".weight"), 1, 2))
     if p + "attn_q.bias" in g.tensors:
         for key, name in (("bq", "attn_q"), ("bk", "attn_k"), ("bv", "attn_v")):
             t[key] = load_tensor(g, p + name + ".bias")
@@ -104,7 +115,7 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, nu
     in its quant blocks and no f32 copy of it exists, ever (`_load_resident`)."""
     if not isinstance(device, Mesh) and dtype == jnp.float32 and native_build.available():
         return _load_resident(g, spec, device, numerics)
-    layers = [{k: (a.T if a.ndim == 2 else a) for k, a in _layer_tensors(g, spec, i).items()}
+    layers = [{k: (a.T if a.ndim == 2 and k != "router" else a) for k, a in _layer_tensors(g, spec, i).items()}
               for i in range(spec.n_layer)]
     if not isinstance(device, Mesh):  # a mesh splits q/k/v and gate/up by heads and columns: kept apart
         fusing = numerics_for(g, spec)  # by the file's types, whatever the numerics mode
@@ -192,6 +203,9 @@ def numerics_for(g: GGUFFile, spec: ModelSpec, mode: str = "llamacpp") -> Numeri
     if spec.arch == "phi3":
         sources.update(wq="blk.0.attn_qkv.weight", wk="blk.0.attn_qkv.weight", wv="blk.0.attn_qkv.weight",
                        w_gate="blk.0.ffn_up.weight")
+    if spec.n_expert:
+        sources.update(w_gate="blk.0.ffn_gate_exps.weight", w_up="blk.0.ffn_up_exps.weight",
+                       w_down="blk.0.ffn_down_exps.weight")
     sources["head"] = "token_embd.weight" if spec.tied_embeddings else "output.weight"
     schemes = tuple((k, scheme_for(g.tensor_info(name).ggml_type)) for k, name in sorted(sources.items()))
     return Numerics(mode, schemes)

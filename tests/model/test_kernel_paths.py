@@ -194,7 +194,7 @@ def test_q3k_expert_roles_become_planes(qwen35moe_q3k_experts_gguf, qwen35moe_f3
 
 def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
     """The same Q3_K model with its experts as planes (dispatch.moe_ffn, reference), dequantized
-    to float32 (_grouped_experts), and with planes for gate/up only and a float32 down: one routing
+    to float32 (layers.grouped_experts), and with planes for gate/up only and a float32 down: one routing
     function (moe.route, SPEC §5) serves all; a fused gate_up file gives the same logits."""
     assert qwen35moe.route is moe.route and not hasattr(qwen35moe, "_route")
     monkeypatch.setenv(dispatch.ENV, "reference")

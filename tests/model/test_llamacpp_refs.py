@@ -22,7 +22,9 @@ global): F32 3.7e-5 and Q8_0 1.9e-6 with llama.cpp's GELU (ggml-cpu's f16 table,
 numerics' GELU; `exact` computes the tanh form in f32 and differs from llama.cpp by up to 1.7e-3).
 With a sliding window of 8 (most keys of the longer prompts outside it in the sliding layers, in
 prefill and in the greedy decode): 4.3e-5; 1.3-2.7 with the window left out. The bound for these new
-F32 fixtures is 1e-4 on every prompt (TIGHT). Q8_0 (the native
+F32 fixtures is 1e-4 on every prompt (TIGHT). Routed experts (softmax gating, top-k renormalised,
+layers.grouped_experts over f32 experts): qwen3moe (8 experts, top 3, QK-norm) F32 7.5e-6 and Q8_0
+2.1e-6, llama with experts (Mixtral-style, 4 experts, top 2) F32 7e-6. Q8_0 (the native
 kernel's integer dot products, which are llama.cpp's own arithmetic, in prefill as in decode):
 llama <= 1.8e-6, qwen3 <= 8.9e-7 on every prompt. K-quants (no native kernel: activations rounded
 to Q8_K in jnp, then an f32 product), per prompt (AVX2): Q3_K <= 1.2e-5 on all; Q4_K <= 7e-6 on
@@ -61,7 +63,7 @@ BOUND = {"F32": (0.05, 0.05, 1.0), "Q8_0": (0.15, 0.05, 0.8), "Q3_K": (0.05, 0.0
 # The architectures and rope variants added with the model-families issue are held to its bound for
 # F32 files: every prompt within 1e-4 (measured <= 3.7e-5).
 TIGHT = {"llama3_rope_freqs_f32": 1e-4, "llama_rope_linear_f32": 1e-4, "qwen2_rope_yarn_f32": 1e-4, "gemma3_f32": 1e-4,
-         "gemma3_window8_f32": 1e-4}
+         "gemma3_window8_f32": 1e-4, "qwen3moe_f32": 1e-4, "mixtral_f32": 1e-4}
 # llama.cpp takes the log of f32 probabilities: below e^-80 they are denormal (imprecise) or 0 (-FLT_MAX)
 PRECISE = -80.0
 
@@ -91,7 +93,8 @@ def test_every_accepted_architecture_was_recorded():
     assert set(COMPARED) >= {"llama_f32", "llama_q8_0", "llama_q4_k", "llama_q6_k", "llama_q3_k", "qwen2_f32",
                              "qwen3_f32", "qwen3_q8_0", "minicpm_f32_no_scale_keys", "minicpm_f32_scale_keys",
                              "phi3_f32", "llama3_rope_freqs_f32", "llama_rope_linear_f32", "qwen2_rope_yarn_f32",
-                             "gemma3_f32", "gemma3_q8_0", "gemma3_window8_f32"}
+                             "gemma3_f32", "gemma3_q8_0", "gemma3_window8_f32", "qwen3moe_f32", "qwen3moe_q8_0",
+                             "mixtral_f32"}
     assert "architecture: 'mistral'" in RECORDS["mistral_f32"]["refused"]
     assert all(RECORDS[n]["llama_cpp"].startswith("b11434") for n in COMPARED)
 

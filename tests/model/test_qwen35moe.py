@@ -27,6 +27,7 @@ import pytest
 from pantheon.gguf import open_gguf
 from pantheon.gguf.reader import GGUFError
 from pantheon.model import qwen35moe
+from pantheon.model.layers import grouped_experts
 from pantheon.model.numerics import IntBlocks, Numerics
 from pantheon.model.spec import HybridSpec, spec_from_gguf
 from pantheon.pallas.moe_q3k import Q3KPlanes
@@ -284,7 +285,7 @@ def test_grouped_experts_equal_direct_per_token_ffn(routing):
         experts = np.tile(np.array([[2, 0]], np.int32), (n, 1))
     else:
         experts = np.argsort(rng.random((n, n_exp)), axis=1)[:, :k].astype(np.int32)
-    got = np.asarray(jax.jit(qwen35moe._grouped_experts, static_argnums=5)(x, experts, wg, wu, wd, ("none",) * 3))
+    got = np.asarray(jax.jit(grouped_experts, static_argnums=5)(x, experts, wg, wu, wd, ("none",) * 3))
     silu = lambda v: v / (1 + np.exp(-v))
     for i in range(n):
         for j, ex in enumerate(experts[i]):

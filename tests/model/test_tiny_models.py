@@ -204,7 +204,9 @@ def test_minicpm_without_scale_keys_takes_llamacpp_defaults(tmp_path):
     (dict(tensor_overrides={"rope_freqs.weight": -np.ones(8, np.float32)}), "rope_freqs.weight must hold 8"),
     (dict(extra_metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": -2.0}), "must be positive"),
     (dict(arch="phi3", tensor_overrides={"rope_factors_long.weight": np.ones(8, np.float32)}), "LongRoPE"),
-    (dict(tensor_overrides={"blk.0.ffn_gate_inp.weight": np.ones((4, 64), np.float32)}), "routed experts"),
+    (dict(arch="qwen2", tensor_overrides={"blk.0.ffn_gate_inp.weight": np.ones((4, 64), np.float32)}),
+     "routed experts"),
+    (dict(tensor_overrides={"blk.0.ffn_gate_inp.weight": np.ones((4, 64), np.float32)}), "llama.expert_count"),
 ])
 def test_unimplemented_dense_variants_are_refused(tmp_path, change, message):
     g = open_gguf(write_tiny_llama(tmp_path / "v.gguf", **change))

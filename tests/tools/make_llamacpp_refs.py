@@ -72,6 +72,13 @@ CONFIGS = {
     "gemma3_window8_f32": dict(arch="gemma3", weight_type=Q.F32, seed=16, qk_norm=True, n_layer=4, extra_metadata={
         "gemma3.attention.sliding_window": 8, "gemma3.attention.sliding_window_pattern": 2,
         "gemma3.rope.freq_base": 1_000_000.0}),
+    # routed experts: qwen3moe (QK-norm, 8 experts of width 32, top 3) and llama with experts (Mixtral:
+    # 4 experts, top 2), F32 and Q8_0
+    "qwen3moe_f32": dict(arch="qwen3moe", weight_type=Q.F32, seed=17, qk_norm=True, head_dim=32, n_expert=8,
+                         n_expert_used=3, n_ff_exp=32),
+    "qwen3moe_q8_0": dict(arch="qwen3moe", weight_type=Q.Q8_0, seed=18, qk_norm=True, head_dim=32, n_expert=8,
+                          n_expert_used=3, n_ff_exp=32),
+    "mixtral_f32": dict(arch="llama", weight_type=Q.F32, seed=19, n_expert=4, n_expert_used=2),
     "gemma3_q8_0": dict(arch="gemma3", weight_type=Q.Q8_0, seed=15, qk_norm=True, n_layer=4, extra_metadata={
         "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
         "gemma3.rope.freq_base": 1_000_000.0}),
