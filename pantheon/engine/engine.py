@@ -99,6 +99,8 @@ class Engine:
         self.think = think_mode(self.template.source if self.template else None)
         self.ctx_configured = ctx_cap if ctx_cap > 0 else self.spec.ctx_train
         self.ctx = min(self.ctx_configured, self.spec.ctx_train)
+        if isinstance(self.spec, ModelSpec):  # LongRoPE takes its factors by the context served
+            self.spec = self.spec.for_context(self.ctx)
         self.reasoning_budget = reasoning_budget
         self.max_concurrent_configured = max_concurrent or max_sessions
         # Without the batch scheduler: one generation at a time and no queue (the single-user path).

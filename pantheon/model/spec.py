@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,6 +31,16 @@ class RopeScaling:
     ext_factor: float = 0.0
     corr_dims: tuple[float, float] = (0.0, 0.0)
     mscale: float = 1.0
+    # LongRoPE (Phi-3 long-context files): `factors` are the short ones; a context past n_ctx_orig
+    # takes these instead (llama_model::get_rope_factors), chosen by `for_context`
+    long_factors: tuple[float, ...] | None = None
+    n_ctx_orig: int = 0
+
+    def for_context(self, ctx: int) -> RopeScaling:
+        """The scaling a cache of `ctx` positions a sequence runs with (LongRoPE: long or short factors)."""
+        if self.long_factors is None or ctx <= self.n_ctx_orig:
+            return self
+        return replace(self, factors=self.long_factors, long_factors=None)
 
     def scale(self, theta):
         """The unscaled angles theta [..., n_rot/2] (jnp or numpy f32) as rope_yarn scales them: theta
@@ -85,6 +95,12 @@ class ModelSpec:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+
+    def for_context(self, ctx: int) -> ModelSpec:
+        """This spec for a cache of `ctx` positions a sequence (LongRoPE picks its factors by it)."""
+        if self.rope_scaling is None or self.rope_scaling.long_factors is None:
+            return self
+        return replace(self, rope_scaling=self.rope_scaling.for_context(ctx))
 
     @property
     def n_group(self) -> int:
@@ -206,13 +222,7 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     return spec
 
 
-# Variants of the dense architectures this forward does not implement: refused at load with the
-# reason, instead of running them wrong.
-_UNSUPPORTED_TENSORS = {
-    "rope_factors_long.weight": "LongRoPE factors (Phi-3 long-context variants)",
-    "rope_factors_short.weight": "LongRoPE factors (Phi-3 long-context variants)",
-}
-ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 
 
 def _rope_scaling(g: GGUFFile, arch: str, key, n_rot: int, ctx_train: int) -> RopeScaling | None:
@@ -241,23 +251,30 @@ def _rope_scaling(g: GGUFFile, arch: str, key, n_rot: int, ctx_train: int) -> Ro
         corr_dims = (max(0.0, math.floor(corr(32.0))), min(n_rot - 1.0, math.ceil(corr(1.0))))
         scale = 1.0 / freq_scale  # llama.cpp's yarn_attn_factor: get_mscale(scale) / (1 + 0.1 ln scale) = 1
         mscale = attn_factor * ((0.1 * math.log(scale) + 1.0) if scale > 1 else 1.0) / (1.0 + 0.1 * math.log(scale))
-    factors = None
-    if "rope_freqs.weight" in g.tensors:
-        info = g.tensor_info("rope_freqs.weight")
-        values = np.asarray(g.tensor_data("rope_freqs.weight")).reshape(-1)
+    def factors_of(name: str) -> tuple[float, ...] | None:
+        if name not in g.tensors:
+            return None
+        info = g.tensor_info(name)
+        values = np.asarray(g.tensor_data(name)).reshape(-1)
         if info.ggml_type != 0 or values.size != n_rot // 2 or not np.all(np.isfinite(values)) or np.any(values <= 0):
-            raise GGUFError(f"{g.path}: rope_freqs.weight must hold {n_rot // 2} positive f32 factors (one per "
-                            "rotated pair)")
-        factors = tuple(float(v) for v in values.astype(np.float32))
+            raise GGUFError(f"{g.path}: {name} must hold {n_rot // 2} positive f32 factors (one per rotated pair)")
+        return tuple(float(v) for v in values.astype(np.float32))
+
+    # Llama 3.1+'s rope_freqs, else LongRoPE's short/long pair (long past the original context)
+    factors, long_factors = factors_of("rope_freqs.weight"), None
+    if factors is None and ("rope_factors_short.weight" in g.tensors or "rope_factors_long.weight" in g.tensors):
+        factors, long_factors = factors_of("rope_factors_short.weight"), factors_of("rope_factors_long.weight")
+        if factors is None or long_factors is None:
+            raise GGUFError(f"{g.path}: LongRoPE needs both rope_factors_short.weight and rope_factors_long.weight")
     if factors is None and freq_scale == 1.0 and mscale == 1.0:
         return None
-    return RopeScaling(factors, freq_scale, ext_factor, corr_dims, mscale)
+    n_orig = key("rope.scaling.original_context_length", ctx_train)
+    return RopeScaling(factors, freq_scale, ext_factor, corr_dims, mscale, long_factors, n_orig)
 
 
 def _check_dense_variant(g: GGUFFile, arch: str) -> None:
-    for name, what in _UNSUPPORTED_TENSORS.items():
-        if name in g.tensors:
-            raise GGUFError(f"{g.path}: tensor {shown(name)}: {what} are not supported")
+    """Variants of the dense architectures this forward does not implement: refused at load with the
+    reason, instead of running them wrong."""
     if "blk.0.ffn_gate_inp.weight" in g.tensors and arch not in ("llama", "qwen3moe"):
         raise GGUFError(f"{g.path}: {arch} with routed experts (ffn_gate_inp) is not supported")
     if arch == "qwen3moe" and "blk.0.ffn_gate_inp.weight" not in g.tensors:

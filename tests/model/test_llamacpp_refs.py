@@ -24,7 +24,9 @@ With a sliding window of 8 (most keys of the longer prompts outside it in the sl
 prefill and in the greedy decode): 4.3e-5; 1.3-2.7 with the window left out. The bound for these new
 F32 fixtures is 1e-4 on every prompt (TIGHT). Routed experts (softmax gating, top-k renormalised,
 layers.grouped_experts over f32 experts): qwen3moe (8 experts, top 3, QK-norm) F32 7.5e-6 and Q8_0
-2.1e-6, llama with experts (Mixtral-style, 4 experts, top 2) F32 7e-6. Q8_0 (the native
+2.1e-6, llama with experts (Mixtral-style, 4 experts, top 2) F32 7e-6. LongRoPE (Phi-3 128k's short
+and long factors, attention factor 1.19; original context 64 under the 128 served: the long ones)
+1.1e-5. Q8_0 (the native
 kernel's integer dot products, which are llama.cpp's own arithmetic, in prefill as in decode):
 llama <= 1.8e-6, qwen3 <= 8.9e-7 on every prompt. K-quants (no native kernel: activations rounded
 to Q8_K in jnp, then an f32 product), per prompt (AVX2): Q3_K <= 1.2e-5 on all; Q4_K <= 7e-6 on
@@ -63,7 +65,7 @@ BOUND = {"F32": (0.05, 0.05, 1.0), "Q8_0": (0.15, 0.05, 0.8), "Q3_K": (0.05, 0.0
 # The architectures and rope variants added with the model-families issue are held to its bound for
 # F32 files: every prompt within 1e-4 (measured <= 3.7e-5).
 TIGHT = {"llama3_rope_freqs_f32": 1e-4, "llama_rope_linear_f32": 1e-4, "qwen2_rope_yarn_f32": 1e-4, "gemma3_f32": 1e-4,
-         "gemma3_window8_f32": 1e-4, "qwen3moe_f32": 1e-4, "mixtral_f32": 1e-4}
+         "gemma3_window8_f32": 1e-4, "qwen3moe_f32": 1e-4, "mixtral_f32": 1e-4, "phi3_longrope_f32": 1e-4}
 # llama.cpp takes the log of f32 probabilities: below e^-80 they are denormal (imprecise) or 0 (-FLT_MAX)
 PRECISE = -80.0
 
@@ -81,7 +83,7 @@ def model(name: str, tmp_path: Path):
     path = write_tiny_llama(tmp_path / f"{name}.gguf", **kwargs)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == record["gguf_sha256"], "fixture changed: re-record"
     g = open_gguf(path)
-    spec = spec_from_gguf(g)
+    spec = spec_from_gguf(g).for_context(128)  # the runner's cache below (LongRoPE picks its factors by it)
     # gemma3's GELU is ggml-cpu's f16 table in llama.cpp: its arithmetic is the `llamacpp` numerics'
     exact = kwargs["weight_type"] == Q.F32 and spec.ffn_act != "gelu"
     numerics = numerics_for(g, spec, "exact" if exact else "llamacpp")
@@ -94,7 +96,7 @@ def test_every_accepted_architecture_was_recorded():
                              "qwen3_f32", "qwen3_q8_0", "minicpm_f32_no_scale_keys", "minicpm_f32_scale_keys",
                              "phi3_f32", "llama3_rope_freqs_f32", "llama_rope_linear_f32", "qwen2_rope_yarn_f32",
                              "gemma3_f32", "gemma3_q8_0", "gemma3_window8_f32", "qwen3moe_f32", "qwen3moe_q8_0",
-                             "mixtral_f32"}
+                             "mixtral_f32", "phi3_longrope_f32"}
     assert "architecture: 'mistral'" in RECORDS["mistral_f32"]["refused"]
     assert all(RECORDS[n]["llama_cpp"].startswith("b11434") for n in COMPARED)
 

@@ -199,7 +199,7 @@ def test_minicpm_without_scale_keys_takes_llamacpp_defaults(tmp_path):
 
 # ---- dense variants this forward does not implement are refused, sliding windows cap the context ---------------
 @pytest.mark.parametrize("change, message", [
-    (dict(extra_metadata={"llama.rope.scaling.type": "longrope"}), "rope.scaling.type 'longrope' is not supported"),
+    (dict(extra_metadata={"llama.rope.scaling.type": "dynamic"}), "rope.scaling.type 'dynamic' is not supported"),
     (dict(tensor_overrides={"rope_freqs.weight": np.ones(5, np.float32)}), "rope_freqs.weight must hold 8"),
     (dict(tensor_overrides={"rope_freqs.weight": -np.ones(8, np.float32)}), "rope_freqs.weight must hold 8"),
     (dict(extra_metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": -2.0}), "must be positive"),

@@ -79,6 +79,12 @@ CONFIGS = {
     "qwen3moe_q8_0": dict(arch="qwen3moe", weight_type=Q.Q8_0, seed=18, qk_norm=True, head_dim=32, n_expert=8,
                           n_expert_used=3, n_ff_exp=32),
     "mixtral_f32": dict(arch="llama", weight_type=Q.F32, seed=19, n_expert=4, n_expert_used=2),
+    # LongRoPE (Phi-3 128k): short and long factors, original context 64 < the served one: long
+    "phi3_longrope_f32": dict(arch="phi3", weight_type=Q.F32, seed=20, extra_tokens=["<|end|>", "<s>", "</s>", "<unk>"],
+                              extra_metadata={"phi3.rope.scaling.attn_factor": 1.19,
+                                              "phi3.rope.scaling.original_context_length": 64},
+                              tensor_overrides={"rope_factors_short.weight": [1.0, 1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
+                                                "rope_factors_long.weight": [1.0, 1.2, 1.8, 3.0, 6.0, 12.0, 20.0, 30.0]}),
     "gemma3_q8_0": dict(arch="gemma3", weight_type=Q.Q8_0, seed=15, qk_norm=True, n_layer=4, extra_metadata={
         "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
         "gemma3.rope.freq_base": 1_000_000.0}),
