@@ -84,7 +84,7 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     for name, (shape, kind, nbytes) in tensors.items():
         if expert_role(name) in q3k:
             weights += int(nbytes * Q3K_PLANE_BYTES)
-        elif resident and len(shape) == 2 and qmatmul_supported(kind):
+        elif resident and len(shape) in (2, 3) and qmatmul_supported(kind):  # 3: routed experts in blocks
             weights += decode_bytes(kind, nbytes)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)

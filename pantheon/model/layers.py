@@ -94,15 +94,23 @@ def _rows_per_block(assignments: int, n_expert: int) -> int:
     return min(64, 1 << (mean.bit_length() - 1))
 
 
+def expert(w, e):
+    """Expert e's matrix of stacked experts: f32 [X, in, out] -> [in, out], or a QMatrix of blocks
+    [X, out, row bytes] -> the QMatrix of expert e's rows (read by the kernel)."""
+    if isinstance(w, QMatrix):
+        return QMatrix(jax.lax.dynamic_index_in_dim(w.blocks, e, 0, keepdims=False), w.qtype, w.n_in)
+    return w[e]
+
+
 def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     """Every token through each of its chosen experts. x: [N, E]; experts: [N, k] ids;
-    w_gate/w_up: [X, E, F]; w_down: [X, F, E]. Returns [N, k, E].
+    w_gate/w_up: [X, E, F]; w_down: [X, F, E] (or QMatrix blocks [X, out, row bytes]). Returns [N, k, E].
 
     The N*k assignments are sorted by expert and packed into blocks of `rows` rows, each block
     owned by one expert, so a block is a dense matmul against one expert's weights and only chosen
     experts are read (decode: rows = 1, one weight read per assignment)."""
     n, k = experts.shape
-    n_expert, a = w_gate.shape[0], n * k
+    n_expert, a = (w_gate.blocks if isinstance(w_gate, QMatrix) else w_gate).shape[0], n * k
     rows = _rows_per_block(a, n_expert)
     n_blocks = (a + min(a, n_expert) * (rows - 1)) // rows  # static bound: each used expert adds < 1 block
 
@@ -119,7 +127,7 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
 
     def block(args):
         xb, e = args  # [rows, E], expert id
-        return swiglu(xb, w_gate[e], w_up[e], w_down[e], schemes)
+        return swiglu(xb, expert(w_gate, e), expert(w_up, e), expert(w_down, e), schemes)
 
     y = jax.lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
     return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)

@@ -81,8 +81,22 @@ def _matrices(g: GGUFFile, spec: ModelSpec, i: int, load) -> dict:
     return t
 
 
-def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True) -> dict[str, np.ndarray]:
-    """One layer's tensors as f32 numpy (without its matrices when `matrices` is False)."""
+def load_expert_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
+    """Routed experts [X, out, in] as one QMatrix of blocks [X, out, row bytes] (`experts.blocks[e]`
+    is expert e's matrix, `layers.expert`), where the kernel reads the type; else None."""
+    info = g.tensor_info(name)
+    if len(info.shape) != 3 or not native.supported(info.ggml_type):
+        return None
+    x, out, n_in = info.shape
+    data = np.asarray(g.tensor_data(name)).view(np.uint8).reshape(x * out, -1)
+    blocks, qtype = native.unpack_nibbles(data, int(info.ggml_type))
+    return native.QMatrix(blocks.reshape(x, out, -1), qtype, int(n_in))
+
+
+def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True,
+                   expert_blocks: bool = False) -> dict[str, np.ndarray]:
+    """One layer's tensors as f32 numpy (without its matrices when `matrices` is False); routed
+    experts as their blocks with `expert_blocks` where the kernel reads their type."""
     p = f"blk.{i}."
     t = {"attn_norm": load_tensor(g, p + "attn_norm.weight"), "ffn_norm": load_tensor(g, p + "ffn_norm.weight"),
          **(_matrices(g, spec, i, load_tensor) if matrices else {})}
@@ -97,7 +111,9 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True) 
         # [X, in, out] for layers.grouped_experts (their blocks are not read by a kernel yet).
         t["router"] = np.ascontiguousarray(load_tensor(g, p + "ffn_gate_inp.weight").T)
         for key, name in (("exp_gate", "ffn_gate_exps"), ("exp_up", "ffn_up_exps"), ("exp_down", "ffn_down_exps")):
-            t[key] = np.ascontiguousarray(np.swapaxes(load_tensor(g, p + name + ".weight"), 1, 2))
+            blocks = load_expert_blocks(g, p + name + ".weight") if expert_blocks else None
+            t[key] = blocks if blocks is not None else \
+                np.ascontiguousarray(np.swapaxes(load_tensor(g, p + name + ".weight"), 1, 2))
     if p + "attn_q.bias" in g.tensors:
         for key, name in (("bq", "attn_q"), ("bk", "attn_k"), ("bv", "attn_v")):
             t[key] = load_tensor(g, p + name + ".bias")
@@ -176,7 +192,7 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     for i in range(spec.n_layer):
         mats = {k: m if isinstance(m, native.QMatrix) else np.ascontiguousarray(m.T)
                 for k, m in _matrices(g, spec, i, blocks_or_f32).items()}
-        layers.append(jax.block_until_ready(put({**_layer_tensors(g, spec, i, matrices=False),
+        layers.append(jax.block_until_ready(put({**_layer_tensors(g, spec, i, matrices=False, expert_blocks=True),
                                                  **fuse_projections(mats, fusing)})))
         g.release_pages()  # the layer is copied out: its file pages leave the RSS
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"

@@ -237,3 +237,23 @@ def test_a_sliding_window_caps_the_context(tmp_path):
     g = open_gguf(write_tiny_llama(tmp_path / "w.gguf", arch="mistral",
                                    extra_metadata={"mistral.attention.sliding_window": 96}))
     assert spec_from_gguf(g).ctx_train == 96
+
+
+def test_routed_experts_stay_in_their_blocks(tmp_path):
+    """A qwen3moe file's Q4_K experts are held as the file's blocks (one QMatrix [X, out, row bytes]
+    per role, read by the native kernel), never as an f32 copy; admission counts those bytes."""
+    from pantheon.engine.pool import estimate_device_bytes
+    from pantheon.native.qmatmul import QMatrix
+
+    path = write_tiny_llama(tmp_path / "moe.gguf", arch="qwen3moe", weight_type=Q.Q4_K, qk_norm=True, head_dim=64,
+                            n_expert=4, n_expert_used=2, n_ff_exp=256, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+    g = open_gguf(path)
+    spec = spec_from_gguf(g)
+    layer = load_params(g, spec, numerics=numerics_for(g, spec, "exact"))["layers"][0]
+    for key, name in (("exp_gate", "ffn_gate_exps"), ("exp_up", "ffn_up_exps"), ("exp_down", "ffn_down_exps")):
+        w, info = layer[key], g.tensor_info(f"blk.0.{name}.weight")
+        assert isinstance(w, QMatrix) and w.qtype == Q.Q4_K and w.blocks.nbytes == info.nbytes, key
+    expert_bytes = sum(g.tensor_info(n).nbytes for n in g.tensors if "_exps" in n)
+    f32_experts = sum(4 * int(np.prod(g.tensor_info(n).shape)) for n in g.tensors if "_exps" in n)
+    # the estimate holds the experts at their blocks' size, not f32's
+    assert estimate_device_bytes(str(path), 64, 1) < f32_experts + expert_bytes

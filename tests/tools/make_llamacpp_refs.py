@@ -79,6 +79,8 @@ CONFIGS = {
     "qwen3moe_q8_0": dict(arch="qwen3moe", weight_type=Q.Q8_0, seed=18, qk_norm=True, head_dim=32, n_expert=8,
                           n_expert_used=3, n_ff_exp=32),
     "mixtral_f32": dict(arch="llama", weight_type=Q.F32, seed=19, n_expert=4, n_expert_used=2),
+    "qwen3moe_q4_k": dict(arch="qwen3moe", weight_type=Q.Q4_K, seed=21, qk_norm=True, head_dim=64, n_expert=4,
+                          n_expert_used=2, n_ff_exp=256, **WIDE),
     # LongRoPE (Phi-3 128k): short and long factors, original context 64 < the served one: long
     "phi3_longrope_f32": dict(arch="phi3", weight_type=Q.F32, seed=20, extra_tokens=["<|end|>", "<s>", "</s>", "<unk>"],
                               extra_metadata={"phi3.rope.scaling.attn_factor": 1.19,
