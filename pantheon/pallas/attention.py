@@ -237,7 +237,7 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     the cache length or a padded bucket, and nothing is gathered beyond one block. The partition
     is fixed by absolute position, and a block a row cannot see leaves its accumulators
     bit-identical (scale 1, add 0), so a row's result does not depend on its batch-mates. window > 0:
-    a sliding window (as attention_reference's); the blocks before it are still visited, masked."""
+    a sliding window (as attention_reference's); the blocks before every row's window are skipped."""
     b, t, h, d = q.shape
     c, kh = k_cache.shape[1], k_cache.shape[2]
     g = h // kh
@@ -282,10 +282,15 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
 
     carry = (jnp.zeros((b, t, kh, g, d), jnp.float32), jnp.full((b, t, kh, g), -1e30, jnp.float32),
              jnp.zeros((b, t, kh, g), jnp.float32))
+    # With a window, blocks wholly before every row's window are skipped: such a block leaves the
+    # accumulators bit-identical anyway, so a long context costs about its window, not its length.
+    floor = jnp.maximum(jnp.min(jnp.where(q_pos >= 0, q_pos, reach)) - window + 1, 0) if window else 0
     if span:
-        carry = jax.lax.fori_loop(0, jnp.clip((reach + bf - 1) // bf, 0, span // bf), fine, carry)
+        carry = jax.lax.fori_loop(jnp.minimum(floor // bf, span // bf), jnp.clip((reach + bf - 1) // bf, 0, span // bf),
+                                  fine, carry)
     if span < c:
-        carry = jax.lax.fori_loop(0, jnp.clip((reach - span + bk - 1) // bk, 0, -(-(c - span) // bk)), coarse, carry)
+        carry = jax.lax.fori_loop(jnp.maximum(floor - span, 0) // bk,
+                                  jnp.clip((reach - span + bk - 1) // bk, 0, -(-(c - span) // bk)), coarse, carry)
     acc, _, l = carry
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(b, t, h, d).astype(q.dtype)
