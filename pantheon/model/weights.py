@@ -41,13 +41,16 @@ def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
 def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
     """A matrix [out, in] as quant blocks (host uint8 [out, row bytes]), where the native kernel
     reads its type (pantheon/native/qmatmul.py), in both numerics modes: Q5_0/Q5_1 with each code in
-    its own byte (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None."""
+    its own byte (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None. Routed
+    experts [X, out, in] come as one QMatrix of blocks [X, out, row bytes]: `blocks[e]` is expert
+    e's matrix (`layers.expert`)."""
     info = g.tensor_info(name)
-    if len(info.shape) != 2 or not native.supported(info.ggml_type):
+    if len(info.shape) not in (2, 3) or not native.supported(info.ggml_type):
         return None
+    rows = info.shape[:-1]
     data = np.asarray(g.tensor_data(name))  # F16/BF16 come typed: the kernel reads their bytes
-    blocks, qtype = native.unpack_nibbles(data.view(np.uint8).reshape(info.shape[0], -1), int(info.ggml_type))
-    return native.QMatrix(blocks, qtype, int(info.shape[1]))
+    blocks, qtype = native.unpack_nibbles(data.view(np.uint8).reshape(int(np.prod(rows)), -1), int(info.ggml_type))
+    return native.QMatrix(blocks.reshape(*rows, -1), qtype, int(info.shape[-1]))
 
 
 def _split_rows(a, sections: list[int]) -> list:
@@ -81,18 +84,6 @@ def _matrices(g: GGUFFile, spec: ModelSpec, i: int, load) -> dict:
     return t
 
 
-def load_expert_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
-    """Routed experts [X, out, in] as one QMatrix of blocks [X, out, row bytes] (`experts.blocks[e]`
-    is expert e's matrix, `layers.expert`), where the kernel reads the type; else None."""
-    info = g.tensor_info(name)
-    if len(info.shape) != 3 or not native.supported(info.ggml_type):
-        return None
-    x, out, n_in = info.shape
-    data = np.asarray(g.tensor_data(name)).view(np.uint8).reshape(x * out, -1)
-    blocks, qtype = native.unpack_nibbles(data, int(info.ggml_type))
-    return native.QMatrix(blocks.reshape(x, out, -1), qtype, int(n_in))
-
-
 def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True,
                    expert_blocks: bool = False) -> dict[str, np.ndarray]:
     """One layer's tensors as f32 numpy (without its matrices when `matrices` is False); routed
@@ -111,7 +102,7 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True,
         # [X, in, out] for layers.grouped_experts (their blocks are not read by a kernel yet).
         t["router"] = np.ascontiguousarray(load_tensor(g, p + "ffn_gate_inp.weight").T)
         for key, name in (("exp_gate", "ffn_gate_exps"), ("exp_up", "ffn_up_exps"), ("exp_down", "ffn_down_exps")):
-            blocks = load_expert_blocks(g, p + name + ".weight") if expert_blocks else None
+            blocks = load_blocks(g, p + name + ".weight") if expert_blocks else None
             t[key] = blocks if blocks is not None else \
                 np.ascontiguousarray(np.swapaxes(load_tensor(g, p + name + ".weight"), 1, 2))
     if p + "attn_q.bias" in g.tensors:

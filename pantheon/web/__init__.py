@@ -197,11 +197,11 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         paths = (request.path, request.url_rule.rule if request.url_rule else "")
         if paths[1] == dashboard.PATH:  # a static page without data: its script sends the token
             return None
-        if state.config.admin_token and any(p.lstrip("/").split("/", 1)[0] in OPERATOR_ROUTES for p in paths):
+        operator = any(p.lstrip("/").split("/", 1)[0] in OPERATOR_ROUTES for p in paths)
+        if state.config.admin_token and operator:
             if not admin_authorized(request.headers.get("Authorization"), state.config.admin_token):
                 return error_response(401, "unauthorized", "this route needs Authorization: Bearer <admin token> "
                                                            "(PANTHEON_ADMIN_TOKEN)", {"WWW-Authenticate": "Bearer"})
-        operator = any(p.lstrip("/").split("/", 1)[0] in OPERATOR_ROUTES for p in paths)
         if state.config.api_key and not operator and request.path not in OPEN_PATHS:
             given = request.headers.get("x-api-key")
             if not (key_matches(given, state.config.api_key) if given is not None else

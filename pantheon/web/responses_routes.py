@@ -21,7 +21,7 @@ from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web.chat_request import ChatRequest, function_tools, joined_text, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body
 from pantheon.web import sse
-from pantheon.web.generation import Choice, collect_one, plan_and_submit, response_format_status
+from pantheon.web.generation import Choice, collect_one, merge_tool_deltas, plan_and_submit, response_format_status
 from pantheon.web.response_store import Kept, ResponseStore
 
 bp = Blueprint("responses", __name__)
@@ -337,17 +337,15 @@ async def _stream(kept: ResponseStore, meta: dict, chat: ChatRequest, ctx: dict,
                     else:
                         out += text_delta(pending + ev.content)
                         pending = ""
+                merge_tool_deltas(choice.tool_calls, ev.tool_calls)  # the kept conversation's calls
                 for entry in ev.tool_calls:
                     fn = entry.get("function", {})
                     if "id" in entry:
                         pending = ""
                         call = _call_item(entry["id"], fn.get("name", ""), "", "in_progress")
                         out += open_item("function_call", call)
-                        choice.tool_calls.append({"id": entry["id"], "type": "function",
-                                                  "function": {"name": fn.get("name", ""), "arguments": ""}})
                     if fn.get("arguments") and current is not None and current["kind"] == "function_call":
                         current["text"] += fn["arguments"]
-                        choice.tool_calls[-1]["function"]["arguments"] += fn["arguments"]
                         out += event("response.function_call_arguments.delta", item_id=current["item"]["id"],
                                      output_index=index(), delta=fn["arguments"])
                 if out:
