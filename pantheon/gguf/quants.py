@@ -185,8 +185,36 @@ def _q6_k(b):
     return _flat(dl[..., None] * q.reshape(*lead, 16, 16), lead, QK_K)
 
 
+# ---- IQ4: 4-bit indices into a fixed non-linear table of 16 int8 values ----------------------------
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _iq4_values(codes: jax.Array) -> jax.Array:
+    """4-bit indices -> their table values as f32 (exact)."""
+    return jnp.take(jnp.asarray(IQ4_VALUES, jnp.float32), codes.astype(jnp.int32))
+
+
+def _iq4_nl(b):
+    """IQ4_NL, 18 B: d fp16 | qs[16] (nibbles as Q4_0).  w = d * IQ4_VALUES[nibble]."""
+    return _f16(b, 0) * _iq4_values(_nibbles32(b[..., 2:18]))
+
+
+def _iq4_xs(b):
+    """IQ4_XS, 136 B: d fp16 | scales_h u16 | scales_l[4] | qs[128]. Eight 32-weight sub-blocks, each
+    with 16 bytes of nibbles as IQ4_NL's and a 6-bit scale: low 4 bits from scales_l (sub-block i:
+    byte i/2, nibble i%2), high 2 from scales_h (bits 2i..2i+1).  w = (d * (scale - 32)) * value."""
+    lead = b.shape[:-1]
+    low = _flat(_fields(b[..., 4:8], 4, 2).swapaxes(-1, -2), lead, 8)  # sub-block i: byte i // 2, nibble i % 2
+    h = b[..., 2].astype(jnp.uint16) | (b[..., 3].astype(jnp.uint16) << 8)
+    high = ((h[..., None] >> (2 * jnp.arange(8, dtype=jnp.uint16))) & 3).astype(jnp.uint8)
+    dl = _f16(b, 0) * (_f32(low | (high << 4)) - 32.0)
+    q = _iq4_values(_nibbles32(b[..., 8:136].reshape(*lead, 8, 16)))
+    return _flat(dl[..., None] * q, lead, QK_K)
+
+
 _BLOCK_DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
-                   T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+                   T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+                   T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}
 _PLAIN = {T.F32: jnp.float32, T.F16: jnp.float16, T.BF16: jnp.bfloat16}
 SUPPORTED_TYPES = frozenset(_BLOCK_DECODERS) | frozenset(_PLAIN)
 
@@ -240,7 +268,7 @@ def dequantize_np(data, ggml_type) -> np.ndarray:
 # (K-quants: -m; Q4_1/Q5_1: 1, i.e. the block's m itself).
 SCALE_FIELDS = {T.Q8_0: (0, None, 0), T.Q4_0: (0, None, 0), T.Q5_0: (0, None, 0), T.Q4_1: (0, 2, 32),
                 T.Q5_1: (0, 2, 32), T.Q2_K: (80, 82, 16), T.Q3_K: (108, None, 0), T.Q4_K: (0, 2, 32),
-                T.Q5_K: (0, 2, 32), T.Q6_K: (208, None, 0)}
+                T.Q5_K: (0, 2, 32), T.Q6_K: (208, None, 0), T.IQ4_NL: (0, None, 0), T.IQ4_XS: (0, None, 0)}
 _FP16_ONE = (0x00, 0x3C)
 
 
@@ -382,8 +410,40 @@ def _quant_q6_k(x):
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _fp16_bytes(d)], -1)
 
 
+def _iq4_codes(xs: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The nearest table index of each x / step (xs (..., 32), step (...)) as packed bytes (..., 16)."""
+    v = _div(xs, step[..., None])
+    q = np.abs(v[..., None] - IQ4_VALUES.astype(np.float32)).argmin(axis=-1).astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _signed_extreme_scale(xs: np.ndarray) -> np.ndarray:
+    """Per row of xs (..., 32): the scale that maps its largest-magnitude value to -127, the table's
+    widest end (the other end is +113)."""
+    idx = np.abs(xs).argmax(axis=-1)[..., None]
+    return -np.take_along_axis(xs, idx, axis=-1)[..., 0] / 127
+
+
+def _quant_iq4_nl(x):
+    d = _signed_extreme_scale(x).astype(np.float16)
+    return np.concatenate([_fp16_bytes(d), _iq4_codes(x, d.astype(np.float32))], axis=-1)
+
+
+def _quant_iq4_xs(x):
+    xs = x.reshape(x.shape[0], 8, 32)
+    s = _signed_extreme_scale(xs)
+    d = _f16_up(np.abs(s).max(axis=-1, keepdims=True) / 31)
+    ls = np.clip(np.rint(_div(s, d.astype(np.float32))) + 32, 0, 63).astype(np.uint8)
+    step = d.astype(np.float32) * (ls.astype(np.float32) - 32)
+    qs = _iq4_codes(xs, step).reshape(-1, 128)
+    high = (ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))
+    scales_h = np.bitwise_or.reduce(high, axis=-1).astype("<u2").reshape(-1, 1).view(np.uint8)
+    scales_l = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+    return np.concatenate([_fp16_bytes(d), scales_h, scales_l, qs], axis=-1)
+
+
 _K_ENCODERS = {T.Q2_K: _quant_q2_k, T.Q3_K: _quant_q3_k, T.Q4_K: _quant_q4_k, T.Q5_K: _quant_q5_k,
-               T.Q6_K: _quant_q6_k}
+               T.Q6_K: _quant_q6_k, T.IQ4_NL: _quant_iq4_nl, T.IQ4_XS: _quant_iq4_xs}
 _GGUF_PY_ENCODED = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})  # gguf-py quantizes these
 QUANTIZE_TYPES = frozenset(_K_ENCODERS) | _GGUF_PY_ENCODED
 

@@ -25,7 +25,7 @@ from pantheon.gguf.quants import SCALE_FIELDS, integer_parts
 Q8_0, Q8_K, F16, BF16, NONE = "q8_0", "q8_k", "f16", "bf16", "none"
 _ACT_SCHEME = {Q.Q4_0: Q8_0, Q.Q4_1: Q8_0, Q.Q5_0: Q8_0, Q.Q5_1: Q8_0, Q.Q8_0: Q8_0,
                Q.Q2_K: Q8_K, Q.Q3_K: Q8_K, Q.Q4_K: Q8_K, Q.Q5_K: Q8_K, Q.Q6_K: Q8_K,
-               Q.F16: F16, Q.BF16: BF16, Q.F32: NONE}
+               Q.IQ4_NL: Q8_0, Q.IQ4_XS: Q8_K, Q.F16: F16, Q.BF16: BF16, Q.F32: NONE}
 # (Q8_1, used against Q4_1/Q5_1, rounds values exactly as Q8_0 does; its extra block sum only
 # serves the weight minimum term.)
 

@@ -26,7 +26,9 @@ namespace {
 // nibbles), and Pantheon's U4_1 (d, m, 32 x u8: Q5_1 unpacked, qmatmul.unpack_nibbles). A packed
 // block's nibbles are split in registers (low nibbles are weights 0-15, high ones 16-31): the same
 // codes, so the same arithmetic as their unpacked forms, bit for bit.
-enum QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kBF16 = 30, kU4_1 = 1003 };
+// IQ4_NL (d, 16 bytes of nibbles indexing a fixed table of 16 int8 values) reads as Q4_0 with the
+// table looked up in registers (iq4_value): its codes are int8s, as Q8_0's.
+enum QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kIQ4_NL = 20, kBF16 = 30, kU4_1 = 1003 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -35,14 +37,16 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 constexpr int64_t PREFETCH = 1024;
 
 constexpr int64_t block_bytes(int64_t t) {
-  return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 ? 18 : t == kQ4_1 ? 20 : t == kF16 || t == kBF16 ? 64 : 0;
+  return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 || t == kIQ4_NL ? 18 : t == kQ4_1 ? 20
+       : t == kF16 || t == kBF16 ? 64 : 0;
 }
 // F16/BF16 rows read as blocks of 32 weights with no scale (d = 1): the same tiles, half f32's bytes.
 constexpr bool half(int64_t t) { return t == kF16 || t == kBF16; }
 constexpr bool has_min(int64_t t) { return t == kU4_1 || t == kQ4_1; }  // weight = d * w + m
-constexpr bool packed(int64_t t) { return t == kQ4_0 || t == kQ4_1; }
+constexpr bool packed(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kIQ4_NL; }
 
-// A packed block's 32 codes as two 16-byte halves (weights 0-15, 16-31); Q4_0's centred (code - 8).
+// A packed block's 32 codes as two 16-byte halves (weights 0-15, 16-31); Q4_0's centred (code - 8),
+// IQ4_NL's the table's values.
 template <int64_t t>
 inline void nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m4 = _mm_set1_epi8(0x0F);
@@ -51,6 +55,9 @@ inline void nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
   if constexpr (t == kQ4_0) {
     lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
     hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+  } else if constexpr (t == kIQ4_NL) {
+    lo = iq4_values(lo);
+    hi = iq4_values(hi);
   }
 }
 
@@ -193,7 +200,11 @@ inline void tile8(const Q8Rows& a, const uint8_t* wrow, float* y, int64_t N, int
   constexpr int64_t bb = block_bytes(t);
   const int64_t nb = K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  v8f acc[R] = {};
+  // ggml's IQ4_NL product keeps even and odd blocks in two accumulators, added before the final
+  // sum, and takes an odd last block in scalar (vec_dot_iq4_nl_q8_0); the others keep one.
+  constexpr bool pairs = t == kIQ4_NL;
+  const int64_t nv = pairs ? nb & ~int64_t{1} : nb;
+  v8f acc[R] = {}, acc_odd[R] = {};
   float macc[R] = {};
   for (int64_t j = 0; j < nb; ++j) {
     __m256i w, sign = _mm256_setzero_si256();
@@ -205,11 +216,22 @@ inline void tile8(const Q8Rows& a, const uint8_t* wrow, float* y, int64_t N, int
       __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * K + j * 32));
       if constexpr (!has_min(t)) xq = _mm256_sign_epi8(xq, sign);
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);  // exact: |pair| < 2^15
-      acc[r] = fma8((v8f)_mm256_cvtepi32_ps(dot), v8f{} + d * a.d[row * nb + j], acc[r]);
+      const float dd = d * a.d[row * nb + j];
+      if (j >= nv) {  // IQ4_NL's odd last block: its integer sum, scaled, onto the float total
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), dot);
+        int32_t sum = 0;
+        for (int i = 0; i < 8; ++i) sum += lanes[i];
+        macc[r] += dd * static_cast<float>(sum);
+      } else if (pairs && (j & 1)) {
+        acc_odd[r] = fma8((v8f)_mm256_cvtepi32_ps(dot), v8f{} + dd, acc_odd[r]);
+      } else {
+        acc[r] = fma8((v8f)_mm256_cvtepi32_ps(dot), v8f{} + dd, acc[r]);
+      }
       if constexpr (has_min(t)) macc[r] += mn * a.s[row * nb + j];
     }
   }
-  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + macc[r];
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = (pairs ? hsum(acc[r] + acc_odd[r]) : hsum(acc[r])) + macc[r];
 }
 
 template <int64_t t>
@@ -226,6 +248,7 @@ void columns8(int64_t t, const Q8Rows& a, const uint8_t* w, float* y, int64_t M,
     case kU4_1: columns8<kU4_1>(a, w, y, M, N, K, n0, n1); break;
     case kQ4_0: columns8<kQ4_0>(a, w, y, M, N, K, n0, n1); break;
     case kQ4_1: columns8<kQ4_1>(a, w, y, M, N, K, n0, n1); break;
+    case kIQ4_NL: columns8<kIQ4_NL>(a, w, y, M, N, K, n0, n1); break;
     default: columns8<kQ8_0>(a, w, y, M, N, K, n0, n1); break;
   }
 }
@@ -236,6 +259,7 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
     case kU4_1: columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kQ4_0: columns<kQ4_0>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kQ4_1: columns<kQ4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
+    case kIQ4_NL: columns<kIQ4_NL>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kF16: columns<kF16>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kBF16: columns<kBF16>(x, xsum, w, y, M, N, K, n0, n1); break;
     default: columns<kQ8_0>(x, xsum, w, y, M, N, K, n0, n1); break;
@@ -355,12 +379,14 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultB
       case kU4_1: dequant_rows<kU4_1>(wp, op, K, n0, n1); break;
       case kQ4_0: dequant_rows<kQ4_0>(wp, op, K, n0, n1); break;
       case kQ4_1: dequant_rows<kQ4_1>(wp, op, K, n0, n1); break;
+      case kIQ4_NL: dequant_rows<kIQ4_NL>(wp, op, K, n0, n1); break;
       case kF16: dequant_rows<kF16>(wp, op, K, n0, n1); break;
       case kBF16: dequant_rows<kBF16>(wp, op, K, n0, n1); break;
       case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1); break;
       case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1); break;
       case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1); break;
       case kQ5_K: dequant_rows<kQ5_K>(wp, op, K, n0, n1); break;
+      case kIQ4_XS: dequant_rows<kIQ4_XS>(wp, op, K, n0, n1); break;
       default: dequant_rows<kQ6_K>(wp, op, K, n0, n1); break;
     }
   });

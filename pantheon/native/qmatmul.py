@@ -23,12 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pantheon.gguf.quants import dequantize
+from pantheon.gguf.quants import IQ4_VALUES, dequantize
 
 TARGET = "pantheon_qmatmul"
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30  # ggml type ids the kernel takes from a GGUF
+IQ4_NL = 20  # Q4_0's layout, the nibbles index a table of 16 int8 values (gguf.quants.IQ4_VALUES)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14  # K-quants: 256-weight super-blocks (kquants.h)
-K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+IQ4_XS = 23  # read as a K-quant: eight 32-weight sub-blocks of IQ4_NL indices with 6-bit scales
+K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS})
 # A product of more rows than this (a prefill chunk) is compute-bound: the blocks are dequantized in
 # the program and XLA's f32 GEMM runs (layers.linear); up to it the kernel reads them (a 16-token
 # chunk of the default model: 71 -> 50 ms; at 32 tokens the f32 GEMM is ahead, 99 against 109 ms).
@@ -45,13 +47,13 @@ def kernel_rows(w: "QMatrix") -> int:
 # Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003
 # type id -> bytes per 32-weight block
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36, F16: 64, BF16: 64}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36, F16: 64, BF16: 64, IQ4_NL: 18}
 # K type id -> bytes per 256-weight super-block
-SUPER_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+SUPER_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
 # the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles). The K-quants and
 # F16/BF16 rows (blocks of 32 with no scale, f32 activations only) are read as the file holds them.
 KERNEL_LAYOUT = {Q4_0: Q4_0, Q4_1: Q4_1, Q5_0: Q8_0, Q5_1: U4_1, Q8_0: Q8_0, F16: F16, BF16: BF16,
-                 **{t: t for t in K_TYPES}}
+                 IQ4_NL: IQ4_NL, **{t: t for t in K_TYPES}}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -140,8 +142,8 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
     x rounded to 8-bit blocks first as ggml-cpu does: Q8_0 (Q8_1 against U4_1/Q4_1), Q8_K (per 256)
     against K-quants, then integer dot products."""
-    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1, F16, BF16) and w.qtype not in K_TYPES:
-        raise ValueError(f"qmatmul reads F16, BF16, Q4_0, Q4_1, Q8_0, U4_1 and K-quant blocks, not type {w.qtype}: "
+    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1, F16, BF16, IQ4_NL) and w.qtype not in K_TYPES:
+        raise ValueError(f"qmatmul reads F16, BF16, Q4_0, Q4_1, Q8_0, U4_1, IQ4_NL and K-quant blocks, not type {w.qtype}: "
                          "load Q5_0/Q5_1 through unpack_nibbles")
     if int8_activations and w.qtype in (F16, BF16):
         raise ValueError("F16/BF16 weights take f32 activations (llamacpp numerics round them to f16/bf16 first)")
@@ -179,9 +181,13 @@ def int_blocks(w: QMatrix):
     b = w.blocks.reshape(w.n_out, w.n_in // 32, BLOCK_BYTES[w.qtype])
     fp16 = lambda lo: jax.lax.bitcast_convert_type(b[..., lo:lo + 2], jnp.float16).astype(jnp.float32).T  # noqa: E731
     nibbles = lambda qs: jnp.concatenate([qs & 15, qs >> 4], axis=-1)  # noqa: E731 - weights 0-15, then 16-31
-    if w.qtype in (Q8_0, Q4_0):  # d, then 32 x int8 (Q4_0: 16 bytes of nibbles, code - 8)
-        c = (jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) if w.qtype == Q8_0
-             else nibbles(b[..., 2:]).astype(jnp.float32) - 8)
+    if w.qtype in (Q8_0, Q4_0, IQ4_NL):  # d, then 32 x int8 (Q4_0: 16 bytes of nibbles, code - 8)
+        if w.qtype == Q8_0:
+            c = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+        elif w.qtype == Q4_0:
+            c = nibbles(b[..., 2:]).astype(jnp.float32) - 8
+        else:  # IQ4_NL: the nibbles index the table
+            c = jnp.take(jnp.asarray(IQ4_VALUES, jnp.float32), nibbles(b[..., 2:]).astype(jnp.int32))
         return IntBlocks(c.reshape(w.n_out, w.n_in).T, fp16(0))
     # U4_1 / Q4_1: d, m, then 32 x u8 (or 16 bytes of nibbles); the min term is m * 1 per block
     codes = b[..., 4:] if w.qtype == U4_1 else nibbles(b[..., 4:])

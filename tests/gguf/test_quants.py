@@ -17,7 +17,8 @@ from pantheon.gguf.quants import (QUANTIZE_TYPES, SCALE_FIELDS, SUPPORTED_TYPES,
 
 # Byte offsets of each block's fp16 fields (d, and m/dmin where present).
 F16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
-              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+              T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 BLOCK_TYPES = list(F16_FIELDS)
 
 # Round-trip bound as a fraction of the tensor's span (max - min), for zero-mean data (so every
@@ -26,9 +27,11 @@ BLOCK_TYPES = list(F16_FIELDS)
 #   Q8_0: amax/127/2;  Q4_0/Q5_0 (gguf-py maps the signed extreme to -8/-16, so the opposite
 #   extreme clips by one step): amax/8, amax/16;  Q4_1/Q5_1: span/15/2, span/31/2;
 #   Q2_K: (span/3)(1+1/15)/2 + d/2;  Q3_K: (amax/3)(1+1/31)/2;  Q4_K/Q5_K: (span/15|31)(1+1/63)^2/2;
-#   Q6_K: (amax/31)(1+1/127)/2.
+#   Q6_K: (amax/31)(1+1/127)/2;  IQ4_NL: the table's widest gap (24 of 127) halved, or the far end
+#   clipped (113 of 127): amax * 14/127;  IQ4_XS: that, plus the 6-bit sub-scale's rounding (amax/62).
 ROUND_TRIP_TOL = {T.Q8_0: 0.005, T.Q4_0: 0.13, T.Q5_0: 0.065, T.Q4_1: 0.036, T.Q5_1: 0.018,
-                  T.Q2_K: 0.20, T.Q3_K: 0.18, T.Q4_K: 0.036, T.Q5_K: 0.018, T.Q6_K: 0.017}
+                  T.Q2_K: 0.20, T.Q3_K: 0.18, T.Q4_K: 0.036, T.Q5_K: 0.018, T.Q6_K: 0.017, T.IQ4_NL: 0.12,
+                  T.IQ4_XS: 0.14}
 
 
 def random_finite_f16_bits(rng: np.random.Generator, shape) -> np.ndarray:

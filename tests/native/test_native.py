@@ -16,7 +16,7 @@ from pantheon.native.qmatmul import dequantize_native
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import cached_attention_blocked
 
-QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # GGUF types, in the layouts the models load them (unpack_nibbles)
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL)  # GGUF types, in the layouts the models load them (unpack_nibbles)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,7 +40,7 @@ def random_matrix(rng, n_out: int, n_in: int, qtype) -> tuple[QMatrix, np.ndarra
     return QMatrix(jnp.asarray(blocks), layout, n_in), dense
 
 
-K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # read as the file holds them (kquants.h)
+K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)  # read as the file holds them (kquants.h)
 
 
 @pytest.mark.parametrize("qtype", QTYPES + K_QTYPES + HALF, ids=lambda t: t.name)
@@ -252,7 +252,8 @@ def test_disabled_native_kernels_say_why(monkeypatch):
 Q4_K_M_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K}
 
 
-@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.F16, "Q4_K_M"),
+@pytest.mark.parametrize("weight_type", (Q.Q4_1, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.F16, Q.IQ4_NL,
+                                         Q.IQ4_XS, "Q4_K_M"),
                          ids=lambda t: getattr(t, "name", t))
 def test_decode_on_quant_blocks_equals_decode_on_f32_weights(tmp_path, weight_type):
     """On the CPU every matrix the kernel reads is held only as its blocks (weights._load_resident):

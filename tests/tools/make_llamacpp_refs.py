@@ -87,6 +87,10 @@ CONFIGS = {
                                               "phi3.rope.scaling.original_context_length": 64},
                               tensor_overrides={"rope_factors_short.weight": [1.0, 1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
                                                 "rope_factors_long.weight": [1.0, 1.2, 1.8, 3.0, 6.0, 12.0, 20.0, 30.0]}),
+    # IQ4: 4-bit indices into a table of 16 int8 values, per 32 (IQ4_NL, Q8_0 activations) and in
+    # 256-weight super-blocks with 6-bit sub-block scales (IQ4_XS, Q8_K activations)
+    "llama_iq4_nl": dict(arch="llama", weight_type=Q.IQ4_NL, seed=22, **WIDE),
+    "llama_iq4_xs": dict(arch="llama", weight_type=Q.IQ4_XS, seed=23, **WIDE),
     "gemma3_q8_0": dict(arch="gemma3", weight_type=Q.Q8_0, seed=15, qk_norm=True, n_layer=4, extra_metadata={
         "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
         "gemma3.rope.freq_base": 1_000_000.0}),
