@@ -508,6 +508,41 @@ inline void q6k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N
   for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]);
 }
 
+// IQ4_XS: per sub-block the 16 bytes of indices looked up into 32 int8 codes in registers, then
+// ggml's signed product (|code| times x with code's sign, maddubs) and the 6-bit scale (madd): the
+// lanes of ktile8 and of ggml's vec_dot_iq4_xs_q8_K, bit for bit, without a decoded super-block.
+template <int64_t R>
+inline void iq4xs_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {
+  const int64_t nsb = K / 256;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  v8f acc[R] = {};
+  for (int64_t j = 0; j < nsb; ++j) {
+    const uint8_t* b = wrow + j * k_bytes(kIQ4_XS);
+    _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+    const float d = fp16_at(b);
+    int16_t sc[8];
+    iq4xs_scales(b, sc);
+    __m256i q[8], mag[8], s[8];
+    for (int i = 0; i < 8; ++i) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * i));
+      q[i] = _mm256_set_m128i(iq4_values(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), iq4_values(_mm_and_si128(raw, m4)));
+      mag[i] = _mm256_sign_epi8(q[i], q[i]);
+      s[i] = _mm256_set1_epi16(sc[i]);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      const int8_t* xq = a.q + row * K + j * 256;
+      __m256i isum = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)), q[i]);
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[i], xv), s[i]));
+      }
+      acc[r] = fma_lanes(a.d[row * nsb + j] * d, isum, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]);
+}
+
 template <int64_t t>
 void kcolumns8(const Q8KRows& a, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 256 * k_bytes(t);
@@ -515,6 +550,7 @@ void kcolumns8(const Q8KRows& a, const uint8_t* w, float* y, int64_t M, int64_t 
     constexpr int64_t r = decltype(R)::value;
     if constexpr (t == kQ4_K) q4k_tile8<r>(a, w + n * row_bytes, y, N, K, m0, n);
     else if constexpr (t == kQ6_K) q6k_tile8<r>(a, w + n * row_bytes, y, N, K, m0, n);
+    else if constexpr (t == kIQ4_XS) iq4xs_tile8<r>(a, w + n * row_bytes, y, N, K, m0, n);
     else ktile8<t, r>(a, w + n * row_bytes, y, N, K, m0, n);
   });
 }

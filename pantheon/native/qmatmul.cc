@@ -106,28 +106,55 @@ inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
   }
 }
 
+// The 32 weights of one block as 32 / kW vectors of kquants.h's width (16 where the CPU has AVX-512:
+// half the conversions and multiply-adds of 8-wide ones; the same values).
+template <int64_t t>
+inline void dequant_wide(const uint8_t* b, vkf w[32 / kW], float& d, float& m) {
+#if defined(__AVX512F__)
+  scales<t>(b, d, m);
+  if constexpr (half(t)) {
+    for (int i = 0; i < 2; ++i) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * i));
+      w[i] = t == kF16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return;
+  }
+  __m128i q[2];
+  if constexpr (packed(t)) {
+    nibbles<t>(b + (has_min(t) ? 4 : 2), q[0], q[1]);
+  } else {
+    for (int i = 0; i < 2; ++i) q[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (has_min(t) ? 4 : 2) + 16 * i));
+  }
+  for (int i = 0; i < 2; ++i) w[i] = _mm512_cvtepi32_ps(has_min(t) ? _mm512_cvtepu8_epi32(q[i]) : _mm512_cvtepi8_epi32(q[i]));
+#else
+  dequant<t>(b, w, d, m);
+#endif
+}
+
 // R rows m0.. of output column n. xsum[m, blk]: block sums of x (U4_1's min term).
 template <int64_t t, int64_t R>
 inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
                  int64_t m0, int64_t n) {
   constexpr int64_t bb = block_bytes(t);
+  constexpr int nv = 32 / kW;
   const int64_t nb = K / 32;
-  v8f acc[R] = {};
+  vkf acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = k_set1(0.f);
   float macc[R] = {};
   for (int64_t j = 0; j < nb; ++j) {
-    v8f w[4];
+    vkf w[nv];
     float d, mn;
     _mm_prefetch(reinterpret_cast<const char*>(wrow + j * bb) + PREFETCH, _MM_HINT_T0);
-    dequant<t>(wrow + j * bb, w, d, mn);
+    dequant_wide<t>(wrow + j * bb, w, d, mn);
     for (int64_t r = 0; r < R; ++r) {
       const float* xr = x + (m0 + r) * K + j * 32;
-      v8f s = w[0] * load8(xr);
-      for (int i = 1; i < 4; ++i) s = fma8(w[i], load8(xr + 8 * i), s);
-      acc[r] = fma8(s, v8f{} + d, acc[r]);
+      vkf s = k_mul(w[0], k_load(xr));
+      for (int i = 1; i < nv; ++i) s = k_fma(w[i], k_load(xr + kW * i), s);
+      acc[r] = k_fma(s, k_set1(d), acc[r]);
       if constexpr (has_min(t)) macc[r] += mn * xsum[(m0 + r) * nb + j];
     }
   }
-  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) + macc[r];
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = k_hsum(acc[r]) + macc[r];
 }
 
 // Output columns [n0, n1) for all M rows (common.h's tiled_columns).
