@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable
 
 import jax
 
-from pantheon.engine.faults import FAULTS, InjectedFault
+from pantheon.faults import FAULTS, InjectedFault
 
 log = logging.getLogger(__name__)
 

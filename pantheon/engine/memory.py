@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from pantheon.engine.faults import FAULTS
+from pantheon.faults import FAULTS
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from pantheon.engine.dies import die_budget, visible_dies
-from pantheon.engine.faults import FAULTS
+from pantheon.faults import FAULTS
 from pantheon.model import kernels as kern
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pantheon.engine.faults import FAULTS, InjectedFault
+from pantheon.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry, abstract
 from pantheon.engine.memory import release_free_memory
 from pantheon.engine.residency import AttentionResidency

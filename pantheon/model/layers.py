@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pantheon.model.numerics import NONE, Q8_0, Q8_K, IntBlocks, int_linear, quantize_activations, silu
+from pantheon.gguf.arithmetic import NONE, Q8_0, Q8_K, IntBlocks, int_linear, quantize_activations, silu
 from pantheon.model.rope_scaling import RopeScaling
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
 from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qmatmul

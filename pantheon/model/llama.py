@@ -25,7 +25,8 @@ from pantheon.model import kernels as kern
 from pantheon.model.host_attention import host_attend
 from pantheon.model.layers import grouped_experts, linear, rms_norm, rope, swiglu, swiglu_down
 from pantheon.pallas.moe import route
-from pantheon.model.numerics import Numerics, gelu
+from pantheon.gguf.arithmetic import gelu
+from pantheon.model.numerics import Numerics
 from pantheon.native.qmatmul import QMatrix, embed_rows
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache

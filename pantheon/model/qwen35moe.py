@@ -26,7 +26,7 @@ stay Q3_K blocks on the device (`Q3KPlanes`, 114 bytes per 110 GGUF bytes) inste
 dequantized to float32, and so does down where it is Q3_K too (`q3k_expert_roles`); other experts
 keep the float32 path (`layers.grouped_experts`). Both paths route with pantheon.pallas.moe.route
 (SPEC §5). With `llamacpp` numerics every other
-quantized matrix loads as numerics.IntBlocks and multiplies in llama.cpp's integer arithmetic
+quantized matrix loads as arithmetic.IntBlocks and multiplies in llama.cpp's integer arithmetic
 (the Q3_K kernel has its own integer mode)."""
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from pantheon.gguf.reader import GGUFFile
 from pantheon.model import kernels as kern
 from pantheon.model.layers import grouped_experts, linear, rms_norm, rope, swiglu
 from pantheon.gguf.quants import SCALE_FIELDS
-from pantheon.model.numerics import IntBlocks, Numerics, int_linear, quantize_activations, scheme_for, silu
+from pantheon.gguf.arithmetic import IntBlocks, int_linear, quantize_activations, scheme_for, silu
+from pantheon.model.numerics import Numerics
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
 from pantheon.model.state import HybridState, allocate_hybrid_state
 from pantheon.model.weights import load_tensor

@@ -19,7 +19,8 @@ from pantheon.gguf.quants import dequantize_np
 from pantheon.gguf.reader import GGUFFile
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pantheon.model.numerics import Numerics, scheme_for
+from pantheon.gguf.arithmetic import scheme_for
+from pantheon.model.numerics import Numerics
 from pantheon.native import build as native_build
 from pantheon.native import qmatmul as native
 from pantheon.model.sharding import check_divisible, layer_spec

@@ -9,7 +9,7 @@ custom call (qmatmul.cc) that reads the blocks inside the compiled program like 
 one of two formulations: f32 activations times weights dequantized in registers ("exact"
 numerics), or activations first rounded to 8-bit blocks and integer dot products, as llama.cpp's
 CPU backend computes them ("llamacpp" numerics; ~1.5x less time per block). `qmatmul_reference` is the
-same product in plain jnp (dequantize and einsum, or numerics.int_linear's integer arithmetic): the
+same product in plain jnp (dequantize and einsum, or arithmetic.int_linear's integer arithmetic): the
 kernel is tested against it.
 
 Where the native library cannot be built (build.py: no compiler, no AVX2, PANTHEON_NATIVE=0),
@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pantheon.gguf.quants import IQ4_VALUES, dequantize
+from pantheon.gguf.arithmetic import IntBlocks, int_linear
+from pantheon.gguf.quants import IQ4_VALUES, SCALE_FIELDS, dequantize, integer_parts
 
 TARGET = "pantheon_qmatmul"
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30  # ggml type ids the kernel takes from a GGUF
@@ -157,10 +158,8 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
 def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """The product in plain jnp: dequantize the weights (pantheon.gguf.quants), einsum; with
     int8_activations, llama.cpp's integer arithmetic over the blocks' integer parts
-    (numerics.int_linear: x rounded to Q8_0, or Q8_1 against U4_1, whose fp16 block sum multiplies
+    (arithmetic.int_linear: x rounded to Q8_0, or Q8_1 against U4_1, whose fp16 block sum multiplies
     the weight block's minimum)."""
-    from pantheon.model.numerics import int_linear
-
     x = x.astype(jnp.float32)
     if int8_activations:
         return int_linear(x, int_blocks(w))  # K-quants: x rounded to Q8_K
@@ -169,13 +168,9 @@ def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) 
 
 
 def int_blocks(w: QMatrix):
-    """A QMatrix as numerics.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block); K-quants
+    """A QMatrix as arithmetic.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block); K-quants
     through gguf.quants.integer_parts (their integer sub-block scales and mins)."""
-    from pantheon.model.numerics import IntBlocks
-
     if w.qtype in K_TYPES:  # traceable: integer_parts decodes in jnp
-        from pantheon.gguf.quants import SCALE_FIELDS, integer_parts
-
         c, d, mn, dmin = (None if a is None else a.T for a in integer_parts(w.blocks, w.qtype))
         return IntBlocks(c, d, mn, dmin, SCALE_FIELDS[w.qtype][2])
     b = w.blocks.reshape(w.n_out, w.n_in // 32, BLOCK_BYTES[w.qtype])

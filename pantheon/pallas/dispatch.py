@@ -28,6 +28,8 @@ import os
 
 import jax
 
+from pantheon.faults import FAULTS
+
 KERNELS = ("attention_prefill", "attention_decode", "moe_q3k", "deltanet")
 MODES = ("pallas", "interpret", "reference", "native")
 NATIVE_KERNELS = ("attention_decode",)  # those with a native CPU implementation (pantheon/native)
@@ -156,8 +158,6 @@ def _mode(name: str, backend: str | None, mode: str | None) -> str:
     if mode not in MODES:
         raise ValueError(f"{name}: unknown mode {mode!r} (expected one of {', '.join(MODES)})")
     if mode != "reference":
-        from pantheon.engine.faults import FAULTS
-
         if FAULTS.take("lowering"):  # a test's stand-in for a Triton/XLA lowering failure
             raise KernelLoweringError(f"injected lowering failure of the {mode} {name} kernel")
     return mode

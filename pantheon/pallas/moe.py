@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pantheon.model.numerics import NONE, Q8_K, IntBlocks, int_linear, quantize_activations, quantize_q8_k, silu
+from pantheon.gguf.arithmetic import NONE, Q8_K, IntBlocks, int_linear, quantize_activations, quantize_q8_k, silu
 from pantheon.pallas import moe_q3k
 from pantheon.pallas.moe_q3k import Q3KPlanes
 
@@ -75,7 +75,7 @@ def _check_moe_args(x, router_logits, top_k, gate, up, down, what):
 
 def grouped_dense(x: jax.Array, group_sizes: jax.Array, w, scheme: str = NONE) -> jax.Array:
     """Rows of x [M, K] sorted by expert against a dense stacked weight w [E, K, N] (x rounded per
-    `scheme`) or IntBlocks (llama.cpp's integer arithmetic, numerics.int_linear): [M, N] f32."""
+    `scheme`) or IntBlocks (llama.cpp's integer arithmetic, arithmetic.int_linear): [M, N] f32."""
     if isinstance(w, IntBlocks):
         return int_linear(x, w, group_sizes)
     return lax.ragged_dot(quantize_activations(x, scheme).astype(w.dtype), w, group_sizes.astype(jnp.int32),
@@ -85,7 +85,7 @@ def grouped_dense(x: jax.Array, group_sizes: jax.Array, w, scheme: str = NONE) -
 def q8k_rows(x: jax.Array, scheme: str) -> tuple[jax.Array, jax.Array | None]:
     """x [M, K] rounded for a Q3_K product: Q8_K gives (integer codes in x's dtype, f32 block scales
     [M, K/256]) for the integer dot (`grouped_matmul_q3k`'s x_scale); any other scheme (x rounded
-    per numerics.quantize_activations, None)."""
+    per arithmetic.quantize_activations, None)."""
     if scheme != Q8_K:
         return quantize_activations(x, scheme), None
     q, d = quantize_q8_k(x.astype(jnp.float32))

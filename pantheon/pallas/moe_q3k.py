@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pantheon.gguf.quants import dequantize, integer_parts
-from pantheon.model.numerics import IntBlocks, int_product
+from pantheon.gguf.arithmetic import IntBlocks, int_product
 from pantheon.pallas.dispatch import triton_params
 
 QK = 256  # weights per Q3_K super-block
@@ -304,7 +304,7 @@ def grouped_matmul_q3k_reference(x: jax.Array, group_sizes: jax.Array, planes: Q
                                  x_scale: jax.Array | None = None) -> jax.Array:
     """`grouped_matmul_q3k` in plain jnp: dequantize every expert (quants.dequantize, float32
     [E, N, K] — large for many experts) and `jax.lax.ragged_dot`; with x_scale, the integer block
-    sums of numerics.int_product against the planes' integer parts (`planes_int_blocks`).
+    sums of arithmetic.int_product against the planes' integer parts (`planes_int_blocks`).
     Returns [M, N] in x's dtype."""
     _check_gmm_args(x, group_sizes, planes, "grouped_matmul_q3k_reference", x_scale)
     if x_scale is None:
@@ -316,6 +316,6 @@ def grouped_matmul_q3k_reference(x: jax.Array, group_sizes: jax.Array, planes: Q
 
 
 def planes_int_blocks(planes: Q3KPlanes) -> IntBlocks:
-    """The planes as numerics.IntBlocks [E, K, N] (quants.integer_parts of the reassembled blocks)."""
+    """The planes as arithmetic.IntBlocks [E, K, N] (quants.integer_parts of the reassembled blocks)."""
     c, d, _, _ = integer_parts(q3k_planes_to_blocks(planes), GGMLQuantizationType.Q3_K)  # [E, N, K], [E, N, nb]
     return IntBlocks(jnp.swapaxes(c, 1, 2), jnp.swapaxes(d, 1, 2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from quart import Blueprint
 
-from pantheon.engine.faults import FAULTS, test_hooks_enabled
+from pantheon.faults import FAULTS, test_hooks_enabled
 from pantheon.web.errors import ApiError, invalid, json_body
 
 bp = Blueprint("test_hooks", __name__)

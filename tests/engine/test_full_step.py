@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from pantheon.engine.faults import FAULTS
+from pantheon.faults import FAULTS
 from pantheon.engine.graphs import GraphRegistry
 from pantheon.engine.runner import FULL_STEP_ENV, ModelRunner
 from pantheon.gguf import open_gguf

@@ -77,7 +77,7 @@ def test_export_restore_continues_token_identically(engine, greedy_ref):
 def test_a_failed_step_leaves_the_hybrid_model_serving_llamacpp_tokens(engine, greedy_ref):
     """A step fault mid-forward has already updated some layers' recurrent state in place: the slot
     is forgotten (the turn re-prefills), and the next requests still give llama.cpp's tokens."""
-    from pantheon.engine.faults import FAULTS
+    from pantheon.faults import FAULTS
     from pantheon.engine.events import RequestError
 
     prompt = greedy_ref["prompt"]["s33"]

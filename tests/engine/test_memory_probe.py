@@ -61,7 +61,7 @@ def test_the_ladder_reads_device_pressure():
 def test_kv_rings_larger_than_their_die_are_impossible_and_not_retried(tmp_path, monkeypatch):
     from pantheon.engine import residency
     from pantheon.engine import runner as runner_mod
-    from pantheon.engine.faults import FAULTS
+    from pantheon.faults import FAULTS
     from pantheon.gguf import open_gguf
     from pantheon.model.family import family_of
     from pantheon.model.spec import spec_from_gguf

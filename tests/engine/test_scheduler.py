@@ -13,7 +13,7 @@ import pytest
 from pantheon.engine.engine import Engine
 from pantheon.engine.events import Admitted, Delta, RequestEnd, RequestError
 from pantheon.engine.events import GenerationRequest
-from pantheon.engine.faults import FAULTS
+from pantheon.faults import FAULTS
 from pantheon.engine.sampler import SamplingParams
 from pantheon.engine.scheduler import SHARED_CHUNKS
 from tests.fixtures.tiny_models import write_tiny_llama

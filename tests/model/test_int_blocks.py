@@ -1,4 +1,4 @@
-"""numerics.IntBlocks / int_linear: llama.cpp's CPU arithmetic for a quantized matmul, in jnp.
+"""arithmetic.IntBlocks / int_linear: llama.cpp's CPU arithmetic for a quantized matmul, in jnp.
 
 Checked against an independent numpy transcription of ggml-cpu: activations rounded per row
 (quantize_row_q8_K_ref / quantize_row_q8_0 / _q8_1), integer block sums in int64, then each block's
@@ -15,7 +15,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pantheon.gguf.quants import SCALE_FIELDS, dequantize_np, integer_parts, quantize_np
 from pantheon.model.layers import linear
-from pantheon.model.numerics import IntBlocks, int_linear
+from pantheon.gguf.arithmetic import IntBlocks, int_linear
 
 
 def ggml_q8(x: np.ndarray, block: int):

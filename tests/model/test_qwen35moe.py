@@ -28,7 +28,8 @@ from pantheon.gguf import open_gguf
 from pantheon.gguf.reader import GGUFError
 from pantheon.model import qwen35moe
 from pantheon.model.layers import grouped_experts
-from pantheon.model.numerics import IntBlocks, Numerics
+from pantheon.gguf.arithmetic import IntBlocks
+from pantheon.model.numerics import Numerics
 from pantheon.model.spec import HybridSpec, spec_from_gguf
 from pantheon.pallas.moe_q3k import Q3KPlanes
 from tests.fixtures.tiny_qwen35moe import ARCH, Q3K_SHAPES, Q, write_tiny_qwen35moe

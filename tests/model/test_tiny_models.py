@@ -16,7 +16,7 @@ import pytest
 from pantheon.engine.runner import ModelRunner
 from pantheon.gguf import open_gguf
 from pantheon.gguf.reader import GGUFError
-from pantheon.model.numerics import NONE, Q8_0, Q8_K, F16
+from pantheon.gguf.arithmetic import NONE, Q8_0, Q8_K, F16
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM, spec_from_gguf
 from pantheon.model.weights import load_params, numerics_for
 from pantheon.text.chat_template import ChatTemplate

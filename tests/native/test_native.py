@@ -90,7 +90,7 @@ def test_native_dequantize_is_the_reference_bit_for_bit(qtype):
 @pytest.mark.parametrize("qtype", QTYPES + K_QTYPES, ids=lambda t: t.name)
 def test_qmatmul_with_8bit_activations_matches_the_reference(qtype):
     """llamacpp numerics: x rounded to Q8_0/Q8_1 blocks (Q8_K per 256 against K-quants) in the
-    kernel, integer dot products. The reference is numerics.int_linear over the blocks' integer
+    kernel, integer dot products. The reference is arithmetic.int_linear over the blocks' integer
     parts: the same integer sums, so only the f32 order of the scaled block sums may differ; the
     rounding itself moves the product far more (checked, so the kernel cannot be quietly computing
     the f32 product instead)."""
@@ -129,10 +129,10 @@ def test_qmatmul_row_does_not_depend_on_its_batch(qtype, int8_activations):
 
 
 def test_8bit_activation_rounding_is_ggml_x86s():
-    """numerics.quantize_q8_0 against a transcription of ggml-cpu's AVX2 quantize_row_q8_1 on
+    """arithmetic.quantize_q8_0 against a transcription of ggml-cpu's AVX2 quantize_row_q8_1 on
     values built to hit its edges: exact halves (nearest even, not C's roundf), the block maximum
     (exactly +-127) and an all-zero block."""
-    from pantheon.model.numerics import quantize_q8_0
+    from pantheon.gguf.arithmetic import quantize_q8_0
 
     rng = np.random.default_rng()
     x = rng.standard_normal((3, 64)).astype(np.float32)

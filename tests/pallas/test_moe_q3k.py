@@ -217,7 +217,7 @@ def test_moe_ffn_matches_dense_reference(rng, t, dm, f, e, k, fused, schemes):
 def test_moe_ffn_with_a_dense_down_matches_dense_reference(rng, down_kind):
     """A Q3_K_M-style mix: Q3_K gate/up planes through the grouped kernel, the down projection dense
     ([E, F, D] f32, or Q4_K IntBlocks with Q8_K rounding: llama.cpp's integer arithmetic)."""
-    from pantheon.model.numerics import IntBlocks
+    from pantheon.gguf.arithmetic import IntBlocks
     t, dm, f, e, k = 6, 256, 256, 4, 2
     gate, up, _ = _moe_weights(rng, e, dm, f, False)
     wd = (rng.standard_normal((e, dm, f)) * 0.05).astype(np.float32)  # [E, out, in]

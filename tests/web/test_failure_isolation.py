@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pantheon.engine.faults import FAULTS
+from pantheon.faults import FAULTS
 from tests.web.inprocess import tiny_app
 
 CHAT = "/v1/chat/completions"

@@ -278,7 +278,7 @@ def test_a_malformed_response_format_is_refused_or_served_never_a_500(app, rf):
 
 # ---- 500 bodies, and the app afterwards --------------------------------------------------------------------
 def test_a_500_says_what_failed_in_words_with_a_request_id(app, caplog):
-    from pantheon.engine.faults import FAULTS
+    from pantheon.faults import FAULTS
 
     FAULTS.set("step", 1)
     with caplog.at_level("ERROR"):
