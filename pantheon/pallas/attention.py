@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pantheon.pallas.dispatch import triton_params
+from pantheon.pallas.lowering import triton_params
 
 # A squeezed block dim: `pl.squeezed` where this jax has it (None is the older spelling).
 _SQ = getattr(pl, "squeezed", None)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pantheon.pallas.dispatch import triton_params
+from pantheon.pallas.lowering import triton_params
 
 _HI = lax.Precision.HIGHEST  # f32 dots even where the backend would default to tf32/bf16
 _SQ = getattr(pl, "squeezed", None)  # a squeezed block dim (None is the older spelling)

@@ -134,18 +134,6 @@ def interpret_flag(mode: str) -> bool:
     return mode == "interpret"
 
 
-def triton_params(num_warps: int, num_stages: int):
-    """Triton compiler params, or None when this jax has no Triton Pallas backend.
-
-    The class was renamed (TritonCompilerParams -> CompilerParams); look up either by feature."""
-    try:
-        from jax.experimental.pallas import triton as plt
-    except ImportError:  # pragma: no cover - depends on the jax build
-        return None
-    cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams", None)
-    return None if cls is None else cls(num_warps=num_warps, num_stages=num_stages)
-
-
 # ---- entry points for the model -------------------------------------------------------------------
 # Each resolves its mode when traced (inside jit: once per compiled program; PANTHEON_KERNELS changes
 # after that need a new trace) and calls the kernel or its reference. Imports are local because the

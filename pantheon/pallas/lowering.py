@@ -37,3 +37,15 @@ def lower_for_cuda(fn, *args) -> str | None:
 def triton_calls(text: str | None) -> int | None:
     """Triton custom calls in a lowered module (None: not countable, see lower_for_cuda)."""
     return None if text is None else sum(text.count(name) for name in TRITON_CALLS)
+
+
+def triton_params(num_warps: int, num_stages: int):
+    """Triton compiler params, or None when this jax has no Triton Pallas backend.
+
+    The class was renamed (TritonCompilerParams -> CompilerParams); look up either by feature."""
+    try:
+        from jax.experimental.pallas import triton as plt
+    except ImportError:  # pragma: no cover - depends on the jax build
+        return None
+    cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams", None)
+    return None if cls is None else cls(num_warps=num_warps, num_stages=num_stages)

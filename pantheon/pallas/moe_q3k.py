@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from pantheon.gguf.quants import dequantize, integer_parts
 from pantheon.gguf.arithmetic import IntBlocks, int_product
-from pantheon.pallas.dispatch import triton_params
+from pantheon.pallas.lowering import triton_params
 
 QK = 256  # weights per Q3_K super-block
 BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q3_K][1]  # 110

@@ -17,7 +17,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from pantheon.native import build as native_build
-from pantheon.pallas import dispatch
+from pantheon.pallas import dispatch, lowering
 from pantheon.pallas.attention import decode_attention, flash_attention
 from pantheon.pallas.deltanet import gated_delta_rule, gated_delta_rule_step
 from pantheon.pallas.lowering import lower_for_cuda, triton_calls
@@ -50,7 +50,7 @@ def test_lowering_check_is_live():
     call = pl.pallas_call(bad, out_shape=S((24,), jnp.float32), grid=(1,),
                           in_specs=[pl.BlockSpec((24,), lambda i: (0,))],
                           out_specs=pl.BlockSpec((24,), lambda i: (0,)),
-                          compiler_params=dispatch.triton_params(4, 2))
+                          compiler_params=lowering.triton_params(4, 2))
     with pytest.raises(Exception, match="power of 2"):
         lower_for_cuda(call, S((24,), jnp.float32))
 
