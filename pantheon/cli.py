@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pantheon.config import KV_DTYPE_CHOICES
+from pantheon.config import KV_DTYPE_CHOICES, admin_token
 from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
 
 
@@ -162,7 +162,6 @@ def _bench_http(args) -> int:
 def cmd_router(args) -> int:
     import asyncio
     import logging
-    import os
 
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
@@ -173,7 +172,7 @@ def cmd_router(args) -> int:
     hc = Config()
     hc.bind = [f"{args.host}:{args.port}"]
     hc.graceful_timeout = 5
-    asyncio.run(hypercorn_serve(create_app(args.instance_ttl, admin_token=os.environ.get("PANTHEON_ADMIN_TOKEN") or None),
+    asyncio.run(hypercorn_serve(create_app(args.instance_ttl, admin_token=admin_token()),
                                 hc))
     return 0
 

@@ -1,4 +1,8 @@
-"""Configuration as frozen dataclasses. Environment variable names live here and nowhere else."""
+"""Configuration as frozen dataclasses and accessors. Environment variable names live here and
+nowhere else, and this is the only module that reads (or, for a multi-process serve, writes) the
+environment: the serve's and engine's settings are read once into frozen dataclasses (ServeConfig,
+ModelConfig, EngineEnv); the process-wide switches below are read by an accessor when the component
+that uses them is built (a runner, a ladder, a kernel plan), so a test can change them per case."""
 
 from __future__ import annotations
 
@@ -193,3 +197,95 @@ class EngineEnv:
                    idle_ttl_s=12 * 3600 if ttl is None else ttl / 1000,
                    watch_grace_s=45.0 if grace is None else grace / 1000,
                    warm_up=os.environ.get(ENV_WARMUP, "1").strip() != "0")
+
+
+# ---- process-wide switches: diagnostics, tuning, kernels ------------------------------------------
+ENV_DTYPE = "PANTHEON_DTYPE"  # auto (default), float32 or bfloat16: model/dtypes.compute_dtype
+ENV_KERNELS = "PANTHEON_KERNELS"  # kernel modes, e.g. "reference" or "attention_decode=interpret" (pallas/dispatch.py)
+ENV_FULL_STEP = "PANTHEON_FULL_STEP"  # "0": decode through the per-layer programs only (engine/runner.py)
+ENV_NATIVE = "PANTHEON_NATIVE"  # "0": no native CPU kernels (native/build.py)
+ENV_CXX = "CXX"  # the C++ compiler the native kernels are built with
+ENV_NO_TCMALLOC = "PANTHEON_NO_TCMALLOC"  # set: do not re-exec with tcmalloc preloaded (engine/backend.py)
+ENV_FAULTS = "PANTHEON_FAULTS"  # fault injection at start-up (faults.py)
+ENV_TEST_HOOKS = "PANTHEON_TEST_HOOKS"  # "1": POST /admin/test/faults is served
+ENV_PRESSURE_PCT = "PN_MEM_PRESSURE_PCT"  # the memory ladder's thresholds (engine/memory.py)
+ENV_CRITICAL_PCT = "PN_MEM_CRITICAL_PCT"
+ENV_KV_RETRY_BUDGET = "PN_KV_RETRY_BUDGET"  # tries to bring a host-KV layer back on-die (engine/residency.py)
+ENV_ROUTER_TTL = "PANTHEON_ROUTER_TTL"  # seconds an instance stays listed without a heartbeat (router/)
+
+
+def compute_dtype_name() -> str:
+    return os.environ.get(ENV_DTYPE, "auto").strip().lower() or "auto"
+
+
+def kernel_overrides() -> str:
+    return os.environ.get(ENV_KERNELS, "")
+
+
+def tool_grammar(value: str | None = None) -> str:
+    """PANTHEON_TOOL_GRAMMAR (or `value` as it would be set), the one parse both its readers share:
+    "required" (unset: only tool_choice "required" is constrained), "all" ("1": every request with
+    tools) or "off" ("0")."""
+    value = os.environ.get(ENV_TOOL_GRAMMAR, "") if value is None else value
+    return {"0": "off", "1": "all"}.get(value.strip(), "required")
+
+
+def full_step_enabled() -> bool:
+    return os.environ.get(ENV_FULL_STEP, "1").strip() != "0"
+
+
+def native_enabled() -> bool:
+    return os.environ.get(ENV_NATIVE, "1").strip() != "0"
+
+
+def cxx() -> str | None:
+    return os.environ.get(ENV_CXX) or None
+
+
+def admin_token() -> str | None:
+    return os.environ.get(ENV_ADMIN_TOKEN) or None
+
+
+def router_ttl_s() -> float:
+    return float(os.environ.get(ENV_ROUTER_TTL) or 10.0)
+
+
+def fault_spec() -> str:
+    return os.environ.get(ENV_FAULTS, "")
+
+
+def test_hooks_enabled() -> bool:
+    return os.environ.get(ENV_TEST_HOOKS, "") == "1"
+
+
+def ladder_thresholds_pct() -> tuple[float, float]:
+    """(pressure, critical): the ladder's MemAvailable thresholds in % of MemTotal (10 and 4)."""
+    return float(os.environ.get(ENV_PRESSURE_PCT, 10.0)), float(os.environ.get(ENV_CRITICAL_PCT, 4.0))
+
+
+def die_reserve_bytes() -> int:
+    return int(os.environ.get(ENV_DIE_RESERVE, "0") or 0)
+
+
+def kv_retry_budget() -> int:
+    return int(os.environ.get(ENV_KV_RETRY_BUDGET, "5"))
+
+
+def compile_cache_dir() -> str:
+    """Where XLA's persistent compilation cache lives ("off": none)."""
+    return os.environ.get(ENV_COMPILE_CACHE) or str(pantheon_home() / "xla-cache")
+
+
+def environment_with_tcmalloc(library: str) -> dict[str, str] | None:
+    """This process's environment with tcmalloc (`library`) added to LD_PRELOAD, for a re-exec; None
+    when a tcmalloc is already preloaded or PANTHEON_NO_TCMALLOC says not to."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    if os.environ.get(ENV_NO_TCMALLOC) or "tcmalloc" in preload:
+        return None
+    return dict(os.environ, LD_PRELOAD=(library + " " + preload).strip())
+
+
+def disable_session_host_tier() -> None:
+    """A model spread over several processes keeps no host tier (a slot's KV is spread over them):
+    session_host_bytes() answers 0 from here on, in this process and what it starts."""
+    os.environ[ENV_SESSION_HOST_BYTES] = "0"

@@ -12,11 +12,9 @@ then healing."""
 
 from __future__ import annotations
 
-import os
 import threading
 
-ENV_FAULTS = "PANTHEON_FAULTS"
-ENV_TEST_HOOKS = "PANTHEON_TEST_HOOKS"
+from pantheon.config import fault_spec
 COUNTED = ("compile", "lowering", "kv_alloc", "step")
 MEMORY_LEVELS = ("ok", "pressure", "critical")
 
@@ -26,7 +24,7 @@ class Faults:
         self._lock = threading.Lock()
         self.counts = {k: 0 for k in COUNTED}
         self.memory: str | None = None  # forced memory-ladder level, None = measured
-        self.load(os.environ.get(ENV_FAULTS, ""))
+        self.load(fault_spec())
 
     def load(self, spec: str) -> None:
         for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -63,10 +61,6 @@ class Faults:
 
 
 FAULTS = Faults()
-
-
-def test_hooks_enabled() -> bool:
-    return os.environ.get(ENV_TEST_HOOKS, "") == "1"
 
 
 class InjectedFault(RuntimeError):

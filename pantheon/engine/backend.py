@@ -9,7 +9,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from pantheon.config import ENV_COMPILE_CACHE, pantheon_home
+from pantheon.config import compile_cache_dir, environment_with_tcmalloc
 
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
@@ -46,7 +46,7 @@ def configure_jax() -> None:
     """Persistent compilation cache (a restart is warm: 4.4 s -> 0.3 s for a step program)."""
     import jax
 
-    cache = os.environ.get(ENV_COMPILE_CACHE) or str(pantheon_home() / "xla-cache")
+    cache = compile_cache_dir()
     if cache != "off":
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -56,9 +56,7 @@ def configure_jax() -> None:
 def reexec_with_tcmalloc(argv: list[str]) -> None:
     """XLA:CPU page-faults every fresh large buffer under glibc malloc; tcmalloc makes decode
     1.2-10x faster. Re-exec once with it preloaded when it is installed and not yet loaded."""
-    if os.environ.get("PANTHEON_NO_TCMALLOC") or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+    env = environment_with_tcmalloc(TCMALLOC)
+    if env is None or not os.path.exists(TCMALLOC) or compiled_backend() != "cpu":
         return
-    if not os.path.exists(TCMALLOC) or compiled_backend() != "cpu":
-        return
-    env = dict(os.environ, LD_PRELOAD=(TCMALLOC + " " + os.environ.get("LD_PRELOAD", "")).strip())
     os.execve(sys.executable, [sys.executable, "-m", "pantheon", *argv[1:]], env)

@@ -7,11 +7,10 @@ and grammar compiles are CPU work) and renders what comes back."""
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
-from pantheon.config import ENV_TOOL_GRAMMAR, no_think_default
+from pantheon.config import no_think_default, tool_grammar
 from pantheon.engine.events import GenerationRequest
 from pantheon.engine.sampler import SamplingParams
 
@@ -88,7 +87,7 @@ def tool_choice_required_with_thinking(engine) -> bool:
     tool grammar off."""
     from pantheon.text.tools import MINICPM_XML
 
-    return os.environ.get(ENV_TOOL_GRAMMAR, "").strip() != "0" and engine.tool_dialect is not MINICPM_XML
+    return tool_grammar() != "off" and engine.tool_dialect is not MINICPM_XML
 
 
 def raw_prompt_ids(engine, chat) -> list[int]:

@@ -3,10 +3,9 @@ occupies each. On the CPU, `--xla_force_host_platform_device_count=N` emulates N
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from pantheon.config import ENV_DIE_RESERVE
+from pantheon.config import die_reserve_bytes
 from pantheon.engine.memory import meminfo_bytes, probe_device_memory
 
 
@@ -34,5 +33,4 @@ def visible_dies() -> list[Die]:
 
 
 def die_budget(die: Die) -> int:
-    reserve = int(os.environ.get(ENV_DIE_RESERVE, "0") or 0)
-    return max(die.memory_bytes - reserve, 0)
+    return max(die.memory_bytes - die_reserve_bytes(), 0)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
+from pantheon.config import ladder_thresholds_pct
 from pantheon.faults import FAULTS
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,6 @@ def probe_device_memory(device) -> MemoryProbe:
 
 
 # ---- the memory ladder -------------------------------------------------------------------------
-ENV_PRESSURE_PCT = "PN_MEM_PRESSURE_PCT"
-ENV_CRITICAL_PCT = "PN_MEM_CRITICAL_PCT"
 OK, PRESSURE, CRITICAL = "ok", "pressure", "critical"
 MIN_WINDOW = 256
 
@@ -88,7 +86,7 @@ class LadderConfig:
 
     @classmethod
     def from_env(cls) -> LadderConfig:
-        return cls(float(os.environ.get(ENV_PRESSURE_PCT, 10.0)), float(os.environ.get(ENV_CRITICAL_PCT, 4.0)))
+        return cls(*ladder_thresholds_pct())
 
 
 class MemoryLadder:

@@ -3,13 +3,13 @@ and the contract's `attention` counters (`/admin/models`)."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
+from pantheon.config import ENV_KV_RETRY_BUDGET, kv_retry_budget
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.faults import FAULTS
 from pantheon.model import kernels as kern
@@ -17,7 +17,7 @@ from pantheon.model import kernels as kern
 if TYPE_CHECKING:
     from pantheon.engine.runner import ModelRunner
 
-KV_RETRY_BUDGET_ENV = "PN_KV_RETRY_BUDGET"
+KV_RETRY_BUDGET_ENV = ENV_KV_RETRY_BUDGET
 
 
 class AttentionResidency:
@@ -32,7 +32,7 @@ class AttentionResidency:
 
     def __init__(self, runner: "ModelRunner", backoff_s: float = 1.0):
         self.runner, self.backoff_s = runner, backoff_s
-        self.budget = int(os.environ.get(KV_RETRY_BUDGET_ENV, "5"))
+        self.budget = kv_retry_budget()
         self.failures: dict[int, int] = {}  # host layer -> failed allocations
         self.next_retry: dict[int, float] = {}
         self.gave_up: set[int] = set()
@@ -104,6 +104,12 @@ class AttentionResidency:
         if dict(kern.choose(wanted, self.runner.kv_dtype))[kern.ATTENTION_DECODE] != "reference":
             return None
         return "no_flash_kernels" if all(wanted.values()) else "kv_geometry_or_ring_wrap"
+
+    def reached(self) -> bool:
+        """Whether the forward has run an attention layer yet (a program that attends was built):
+        the contract omits the `attention` object until then."""
+        attending = set(self.runner.family.kv_programs) | {"attn_project"}
+        return bool(attending & self.runner.registry.programs())
 
     def counters(self, operator: bool) -> dict:
         """`ondie`: layers whose KV is on the device and whose decode attention runs a kernel;

@@ -6,7 +6,6 @@ known: batch in DECODE_BUCKETS, prefill chunk in CHUNK_BUCKETS, attended cache l
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pantheon.config import ENV_FULL_STEP, full_step_enabled
 from pantheon.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry, abstract
 from pantheon.engine.memory import release_free_memory
@@ -38,7 +38,7 @@ CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512)
 MIN_KV_BUCKET = 128
 
 
-FULL_STEP_ENV = "PANTHEON_FULL_STEP"
+FULL_STEP_ENV = ENV_FULL_STEP
 
 
 def graph_class(kind: str, program: str, batch: int) -> str:
@@ -150,7 +150,7 @@ class ModelRunner:
         self.sampler_state = jax.device_put(allocate_sampler_state(n_slots, spec.n_vocab), sampler_sharding)
         self.scratch = n_slots  # the extra cache slot padded rows write to
         # Decode through one full-step program per batch bucket (PANTHEON_FULL_STEP=0: per-layer only)
-        self.full_step = os.environ.get(FULL_STEP_ENV, "1") != "0"
+        self.full_step = full_step_enabled()
         self.mirror = None  # process 0 of a multi-process model: its StepChannel (engine/distributed.py)
 
     def keepalive(self) -> None:

@@ -14,19 +14,19 @@ against float32 with stated tolerances (tests/model/test_bf16.py)."""
 
 from __future__ import annotations
 
-import os
 
 import jax.numpy as jnp
 
+from pantheon.config import ENV_DTYPE, compute_dtype_name
 from pantheon.pallas.dispatch import GPU_BACKENDS
 
-ENV = "PANTHEON_DTYPE"
+ENV = ENV_DTYPE
 _NAMES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
 def compute_dtype(backend: str, env: str | None = None):
     """The dtype of weights, KV and matmul operands for a model on `backend`."""
-    value = (os.environ.get(ENV, "auto") if env is None else env).strip().lower() or "auto"
+    value = (compute_dtype_name() if env is None else env).strip().lower() or "auto"
     if value == "auto":
         return jnp.bfloat16 if backend in GPU_BACKENDS else jnp.float32
     if value not in _NAMES:

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import jax
 
+from pantheon.config import ENV_NATIVE, cxx, native_enabled
+
 log = logging.getLogger(__name__)
 
-NATIVE_ENV = "PANTHEON_NATIVE"
+NATIVE_ENV = ENV_NATIVE
 HERE = Path(__file__).parent
 SOURCES = ("qmatmul.cc", "attention.cc")
 HEADERS = ("common.h", "kquants.h")
@@ -59,7 +61,7 @@ def unavailable_reason() -> str | None:
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    return cxx() or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
 def _cpu_flags() -> str:
@@ -100,7 +102,7 @@ def _build(cxx: str) -> Path:
 
 
 def _load() -> bool:
-    if os.environ.get(NATIVE_ENV, "1") == "0":
+    if not native_enabled():
         _state["reason"] = f"{NATIVE_ENV}=0"
         return False
     if jax.default_backend() != "cpu":

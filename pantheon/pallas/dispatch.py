@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
 import jax
 
+from pantheon.config import ENV_KERNELS, kernel_overrides
 from pantheon.faults import FAULTS
 
 KERNELS = ("attention_prefill", "attention_decode", "moe_q3k", "deltanet")
 MODES = ("pallas", "interpret", "reference", "native")
 NATIVE_KERNELS = ("attention_decode",)  # those with a native CPU implementation (pantheon/native)
-ENV = "PANTHEON_KERNELS"
+ENV = ENV_KERNELS
 GPU_BACKENDS = frozenset({"cuda", "rocm", "gpu"})
 
 
@@ -91,12 +91,12 @@ def kernel_mode(name: str, backend: str | None = None, env: str | None = None) -
     """The mode kernel `name` runs in on `backend` (default: the `lowering_for` target, else
     jax.default_backend()).
 
-    `env` defaults to os.environ[PANTHEON_KERNELS]. Raises ValueError for an unknown kernel, a
+    `env` defaults to PANTHEON_KERNELS (kernel_overrides). Raises ValueError for an unknown kernel, a
     malformed override, or "pallas" forced on a backend without a Pallas GPU lowering."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r} (kernels: {', '.join(KERNELS)})")
     backend = backend or _TARGET.get() or jax.default_backend()
-    env = os.environ.get(ENV, "") if env is None else env
+    env = kernel_overrides() if env is None else env
     default, per = _parse(env)
     mode = per.get(name) or default or default_mode(backend, name)
     if mode == "native" and name not in per and name not in NATIVE_KERNELS:

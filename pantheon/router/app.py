@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import httpx
 from quart import Quart, Response, request
 
+from pantheon.config import ENV_ROUTER_TTL, admin_token, router_ttl_s
 from pantheon.router.registry import Instance, Registry, ReportError
 from pantheon.web.errors import answer_unknown_routes, error_response
 
 log = logging.getLogger("pantheon.router")
-ENV_TTL = "PANTHEON_ROUTER_TTL"
+ENV_TTL = ENV_ROUTER_TTL
 HEARTBEAT_S = 2.0
 RETRYABLE = (429, 503)
 FORWARD_HEADERS = ("content-type", "accept", "authorization", "x-session-id")
@@ -296,8 +296,7 @@ class EnvApp:
 
     async def __call__(self, scope, receive, send) -> None:
         if self._app is None:
-            self._app = create_app(float(os.environ.get(ENV_TTL) or 10.0),
-                                   admin_token=os.environ.get("PANTHEON_ADMIN_TOKEN") or None)
+            self._app = create_app(router_ttl_s(), admin_token=admin_token())
         await self._app(scope, receive, send)
 
 

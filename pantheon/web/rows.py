@@ -23,9 +23,8 @@ def graphs_object(engine, operator: bool) -> dict | None:
 
 def attention_object(engine, operator: bool) -> dict | None:
     """Omitted until the forward has reached an attention layer (see residency.AttentionResidency)."""
-    if not (set(engine.runner.family.kv_programs) | {"attn_project"}) & engine.registry.programs():
-        return None
-    return engine.runner.attention.counters(operator)
+    attention = engine.runner.attention
+    return attention.counters(operator) if attention.reached() else None
 
 
 def public_row(entry: ModelEntry) -> dict:

@@ -131,17 +131,16 @@ def join_processes(args, config: ServeConfig) -> ServeConfig:
     """`--coordinator`: join the multi-controller runtime (engine/distributed.py) and place the model
     on every process's dies."""
     import dataclasses
-    import os
 
     import jax
 
-    from pantheon.config import ENV_SESSION_HOST_BYTES
+    from pantheon.config import disable_session_host_tier
     from pantheon.engine.distributed import initialize
 
     if len(config.models) > 1:
         raise SystemExit("pantheon: a model spanning several processes is served alone (one --model)")
     initialize(args.coordinator, args.num_processes, args.process_id)
-    os.environ[ENV_SESSION_HOST_BYTES] = "0"  # no host tier: a slot's KV is spread over processes
+    disable_session_host_tier()
     return dataclasses.replace(config, dies=config.dies or tuple(range(jax.device_count())))
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from quart import Blueprint
 
-from pantheon.faults import FAULTS, test_hooks_enabled
+from pantheon.config import test_hooks_enabled
+from pantheon.faults import FAULTS
 from pantheon.web.errors import ApiError, invalid, json_body
 
 bp = Blueprint("test_hooks", __name__)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -52,6 +51,7 @@ from typing import Any
 import llguidance as llg
 import numpy as np
 
+from pantheon.config import tool_grammar
 from pantheon.text.tools.dialect import Dialect
 from pantheon.text.tools.dialects import get_dialect
 from pantheon.text.tools.parse import ToolCallParser
@@ -71,20 +71,18 @@ def tool_grammar_policy(tool_choice: Any, has_tools: bool, env: str | None = Non
     ("auto", None) or ("named", function_name).
 
     unset: only tool_choice "required"; "1": every request with tools; "0": none."""
-    if env is None:
-        env = os.environ.get("PANTHEON_TOOL_GRAMMAR", "")
-    env = env.strip()
-    if not has_tools or tool_choice == "none" or env == "0":
+    mode = tool_grammar(env)
+    if not has_tools or tool_choice == "none" or mode == "off":
         return None
     if tool_choice == "required":
         return "required", None
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function") if isinstance(tool_choice.get("function"), dict) else {}
         name = fn.get("name") or tool_choice.get("name")
-        if env == "1":
+        if mode == "all":
             return ("named", name) if isinstance(name, str) and name else ("auto", None)
         return None
-    return ("auto", None) if env == "1" else None
+    return ("auto", None) if mode == "all" else None
 
 
 @dataclass
