@@ -21,7 +21,7 @@ from pantheon.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry, abstract
 from pantheon.engine.memory import release_free_memory
 from pantheon.engine.residency import AttentionResidency
-from pantheon.engine.sampler import (SampleOutput, SamplingParams, allocate_sampler_state, bias_arrays,
+from pantheon.engine.sampler import (SampleOutput, SamplingBatch, SamplingParams, allocate_sampler_state, bias_arrays,
                                      prng_key_for, reset_slot, sample)
 from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
@@ -54,15 +54,13 @@ def graph_class(kind: str, program: str, batch: int) -> str:
 
 @partial(jax.jit, static_argnames=("forward", "spec", "numerics", "kv_len", "want_top"),
          donate_argnames=("state", "sampler_state"))
-def full_step_and_sample(params, state, tokens, positions, slots, logit_index, sampler_state, rows, temperature,
-                         top_k, top_p, presence, frequency, keys, steps, forced, *, forward, spec, numerics,
-                         kv_len: int, want_top: bool):
+def full_step_and_sample(params, state, tokens, positions, slots, logit_index, sampler_state, batch, *, forward,
+                         spec, numerics, kv_len: int, want_top: bool):
     """The full decode step (model/step.py) with the sampler inlined: one program from token ids to
     sampled ids (the logits never leave it). Returns (SampleOutput, state, sampler_state)."""
     logits, state = full_step(params, state, tokens, positions, slots, logit_index, forward=forward, spec=spec,
                               numerics=numerics, kv_len=kv_len)
-    out, sampler_state = sample(logits, sampler_state, rows, temperature, top_k, top_p, presence, frequency, keys,
-                                steps, forced, want_top=want_top)
+    out, sampler_state = sample(logits, sampler_state, batch, want_top=want_top)
     return out, state, sampler_state
 
 
@@ -324,8 +322,8 @@ class ModelRunner:
     def _step_sample_program(self, d: "DecodeWork") -> tuple[GraphKey, tuple, dict]:
         """(key, args, static) of the full step with the sampler inlined for d's rows (no mask)."""
         ids, pos, rows, logit_index = self._decode_inputs(d.slots, d.tokens, d.positions)
-        sargs, want_top = self._sample_args(len(rows), d.slots, d.sampling, d.forced, None, advance=False)
-        args = (self.params, self.cache, ids, pos, rows, logit_index, self.sampler_state, *sargs)
+        batch, want_top = self._sampling_batch(len(rows), d.slots, d.sampling, d.forced, None, advance=False)
+        args = (self.params, self.cache, ids, pos, rows, logit_index, self.sampler_state, batch)
         key = GraphKey("decode", "segment", (len(rows), want_top), program="step_sample")
         return key, args, dict(self._step_static(), want_top=want_top)
 
@@ -408,12 +406,12 @@ class ModelRunner:
     def _sample_program(self, logits, slots, sampling, forced, mask, advance: bool = True):
         """(key, args, static) of the sampler call on `logits` [b, V] (arrays or their shapes)."""
         b = logits.shape[0]
-        sargs, want_top = self._sample_args(b, slots, sampling, forced, mask, advance)
+        batch, want_top = self._sampling_batch(b, slots, sampling, forced, mask, advance)
         key = GraphKey("sample", "segment", (b, want_top, mask is not None), program="sample")
-        return key, (logits, self.sampler_state, *sargs), dict(want_top=want_top)
+        return key, (logits, self.sampler_state, batch), dict(want_top=want_top)
 
-    def _sample_args(self, b: int, slots, sampling, forced, mask, advance: bool = True) -> tuple[tuple, bool]:
-        """`sample`'s per-row arguments after (logits, state), padded to b rows, and want_top.
+    def _sampling_batch(self, b: int, slots, sampling, forced, mask, advance: bool = True) -> tuple[SamplingBatch, bool]:
+        """`sample`'s rows padded to b (the padding samples into the scratch slot), and want_top.
         advance: count this step in each row's PRNG step (the caller does it when it runs)."""
         n = len(slots)
         rows = np.full(b, self.scratch, np.int32)
@@ -432,9 +430,8 @@ class ModelRunner:
             if advance:
                 s.step += 1
         want_top = any(s.params.logprobs and s.params.top_logprobs > 0 for s in sampling)
-        args = (rows, temp, top_k, top_p, presence, frequency, keys, steps, force)
+        full = None
         if mask is not None:
             full = np.full((b, mask.shape[1]), -1, np.int32)
             full[:n] = mask
-            args += (full,)
-        return args, want_top
+        return SamplingBatch(rows, temp, top_k, top_p, presence, frequency, keys, steps, force, full), want_top

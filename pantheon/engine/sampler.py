@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -130,23 +131,42 @@ def unpack_bitmask(mask, n_vocab: int):
     return bits.reshape(mask.shape[0], -1)[:, :n_vocab].astype(bool)
 
 
+@partial(jax.tree_util.register_dataclass, meta_fields=(),
+         data_fields=("slots", "temperature", "top_k", "top_p", "presence", "frequency", "keys", "steps", "forced",
+                      "mask"))
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One sampling call's per-row arguments, B rows (a pytree: one argument of the compiled
+    programs, not ten)."""
+
+    slots: Any  # int32 [B]: each row's sampler-state slot
+    temperature: Any  # f32 [B]
+    top_k: Any  # int32 [B]
+    top_p: Any  # f32 [B]
+    presence: Any  # f32 [B]
+    frequency: Any  # f32 [B]
+    keys: Any  # uint32 [B, 2]: the rows' PRNG keys
+    steps: Any  # int32 [B]: folded into the keys
+    forced: Any  # int32 [B]: a token that replaces the row's choice when >= 0
+    mask: Any = None  # int32 [B, ceil(V/32)] grammar bitmask (all ones for unconstrained rows), or None
+
+
 @partial(jax.jit, static_argnames=("want_top",), donate_argnames=("state",))
-def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presence, frequency, keys, steps,
-           forced, mask=None, want_top: bool = False):
-    """logits: f32 [B, V]; slots: int32 [B]; per-row params: [B]; keys: uint32 [B, 2]; steps: int32 [B];
-    forced: int32 [B], a token that replaces the row's choice when >= 0; mask: optional int32
-    [B, ceil(V/32)] grammar bitmask (all ones for unconstrained rows).
+def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = False):
+    """logits: f32 [B, V]; batch: the rows' parameters (SamplingBatch).
 
     Order as in OpenAI/llama.cpp: logit bias and penalties, then greedy argmax or
     temperature -> top-k -> top-p -> categorical. Logprobs are of the unmodified model distribution.
     A batch that is all greedy skips sampling; one whose top_k all fit CANDIDATES skips the sort."""
     n_vocab = logits.shape[-1]
+    b = batch
+    slots, temperature, top_k, top_p, keys, steps = b.slots, b.temperature, b.top_k, b.top_p, b.keys, b.steps
     model_logprobs = jax.nn.log_softmax(logits, axis=-1)
     counts = state.counts[slots]
     x = logits + state.bias[slots]
-    x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
-    if mask is not None:
-        x = jnp.where(unpack_bitmask(mask, n_vocab), x, -jnp.inf)
+    x = x - b.presence[:, None] * (counts > 0) - b.frequency[:, None] * counts
+    if b.mask is not None:
+        x = jnp.where(unpack_bitmask(b.mask, n_vocab), x, -jnp.inf)
     greedy_ids = jnp.argmax(x, axis=-1)
 
     sampled_rows = temperature > 0
@@ -159,7 +179,7 @@ def sample(logits, state: SamplerState, slots, temperature, top_k, top_p, presen
         lambda: _sample_sorted(scaled, top_k, top_p, row_keys, width))
     sampled = jax.lax.cond(jnp.any(sampled_rows), sample_any, lambda: greedy_ids)
     tokens = jnp.where(sampled_rows, sampled, greedy_ids).astype(jnp.int32)
-    tokens = jnp.where(forced >= 0, forced, tokens)
+    tokens = jnp.where(b.forced >= 0, b.forced, tokens)
 
     chosen_lp = jnp.take_along_axis(model_logprobs, tokens[:, None], axis=1)[:, 0]
     if want_top:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pantheon.engine.sampler import (SamplingParams, allocate_sampler_state, bias_arrays, prng_key_for,
-                                     reset_slot, sample)
+from pantheon.engine.sampler import (SamplingBatch, SamplingParams, allocate_sampler_state, bias_arrays,
+                                     prng_key_for, reset_slot, sample)
 
 V = 300
 
@@ -19,11 +19,11 @@ def run(logits, params_list, state=None, steps=None, forced=None, want_top=False
         state = reset_slot(state, np.int32(i), ids, vals)
     f = lambda attr, dt: np.array([getattr(p, attr) for p in params_list], dt)
     keys = np.stack([prng_key_for(p.seed) for p in params_list])
-    out, state = sample(logits, state, slots, f("temperature", np.float32), f("top_k", np.int32),
-                        f("top_p", np.float32), f("presence_penalty", np.float32),
-                        f("frequency_penalty", np.float32), keys,
-                        np.zeros(b, np.int32) if steps is None else steps,
-                        np.full(b, -1, np.int32) if forced is None else forced, want_top=want_top)
+    batch = SamplingBatch(slots, f("temperature", np.float32), f("top_k", np.int32), f("top_p", np.float32),
+                          f("presence_penalty", np.float32), f("frequency_penalty", np.float32), keys,
+                          np.zeros(b, np.int32) if steps is None else steps,
+                          np.full(b, -1, np.int32) if forced is None else forced)
+    out, state = sample(logits, state, batch, want_top=want_top)
     return out, state
 
 
@@ -79,9 +79,10 @@ def test_logit_bias_and_penalties_change_the_choice():
     p = SamplingParams(temperature=0, presence_penalty=2.0)
     out, state = run(logits, [p])
     assert int(out.tokens[0]) == 10
-    out, _ = sample(logits, state, np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros(1, np.int32),
-                    np.ones(1, np.float32), np.full(1, 2.0, np.float32), np.zeros(1, np.float32),
-                    prng_key_for(0)[None], np.ones(1, np.int32), np.full(1, -1, np.int32))
+    out, _ = sample(logits, state, SamplingBatch(np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros(1, np.int32),
+                                                 np.ones(1, np.float32), np.full(1, 2.0, np.float32),
+                                                 np.zeros(1, np.float32), prng_key_for(0)[None], np.ones(1, np.int32),
+                                                 np.full(1, -1, np.int32)))
     assert int(out.tokens[0]) == 11
 
 
