@@ -94,82 +94,98 @@ async def _complete(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engin
     return body
 
 
-async def _stream(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine):
-    """SSE in the contract's delta order. With n > 1 the choices stream one after another: events of
-    a later choice are held until the earlier ones have ended."""
+class ChunkStream:
+    """A chat completion's SSE chunks in the contract's delta order. With n > 1 the choices stream
+    one after another: a later choice's chunks are held until the earlier ones have ended."""
 
-    ends: list[ChoiceEnd] = []
+    def __init__(self, chat: ChatRequest, plan: ChatPlan, meta: dict, engine):
+        self.chat, self.plan, self.meta, self.engine = chat, plan, meta, engine
+        self.ends: list[ChoiceEnd] = []
+        # The first chunk of each choice carries the role only, as the contract lists the deltas:
+        # text starts with the first content delta (clients such as llama.cpp's test harness read a
+        # present "content" as a text delta and reject an empty one).
+        self.held: dict[int, list[bytes]] = {i: [self.chunk(i, {"role": "assistant"})] for i in range(chat.n)}
+        self.current, self.ended = 0, set()  # the choice streaming now; the choices that ended
 
-    def chunk(index: int, delta: dict, finish=None, logprobs=None, extra=None) -> bytes:
+    def chunk(self, index: int, delta: dict, finish=None, logprobs=None, extra=None) -> bytes:
+        chat = self.chat
         choice = {"index": index, "delta": delta, "finish_reason": finish, **(extra or {})}
         if logprobs is not None:
             choice["logprobs"] = {"content": logprobs}
-        body = {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+        body = {**self.meta, "object": "chat.completion.chunk", "choices": [choice]}
         if finish is not None:
             if chat.n_status:
                 body["n_status"] = chat.n_status
-            status = response_format_status(plan, ends) if len(ends) == chat.n else plan.response_format_status
+            status = (response_format_status(self.plan, self.ends) if len(self.ends) == chat.n
+                      else self.plan.response_format_status)
             if status:
                 body["response_format_status"] = status
         return sse.event(body)
 
-    def render(ev) -> bytes:
+    def render(self, ev: Delta | ChoiceEnd) -> bytes:
         if isinstance(ev, ChoiceEnd):
-            ends.append(ev)
+            self.ends.append(ev)
             extra = {"tool_call_error": ev.tool_call_error} if ev.tool_call_error else None
-            return chunk(ev.index, {}, finish=ev.finish_reason, extra=extra)
-        lp = _logprobs(engine, ev.tokens) if chat.logprobs else None
+            return self.chunk(ev.index, {}, finish=ev.finish_reason, extra=extra)
+        lp = _logprobs(self.engine, ev.tokens) if self.chat.logprobs else None
         out = b""
         if ev.reasoning:
-            out += chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp)
+            out += self.chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp)
         if ev.content or (lp and not ev.reasoning):
-            out += chunk(ev.index, {"content": ev.content}, logprobs=lp)
+            out += self.chunk(ev.index, {"content": ev.content}, logprobs=lp)
         for entry in ev.tool_calls:  # the opening chunk, then argument chunks, one per event
-            out += chunk(ev.index, {"tool_calls": [entry]})
+            out += self.chunk(ev.index, {"tool_calls": [entry]})
         return out
 
-    # The first chunk of each choice carries the role only, as the contract lists the deltas: text
-    # starts with the first content delta (clients such as llama.cpp's test harness read a present
-    # "content" as a text delta and reject an empty one).
-    held: dict[int, list[bytes]] = {i: [chunk(i, {"role": "assistant"})] for i in range(chat.n)}
-    current, ended = 0, set()
+    def add(self, ev: Delta | ChoiceEnd) -> bytes | None:
+        """Hold ev's chunks; what may go out now (None: ev's choice is not streaming yet)."""
+        self.held.setdefault(ev.index, []).append(self.render(ev))
+        if isinstance(ev, ChoiceEnd):
+            self.ended.add(ev.index)
+        return self.release() if ev.index == self.current else None
 
-    def release() -> bytes:
-        nonlocal current
+    def release(self) -> bytes:
+        """The held chunks of the streaming choice, and of the ones after it while each has ended."""
         out = b""
-        while current < chat.n:
-            out += b"".join(held.pop(current, []))
-            if current not in ended:
-                held[current] = []
+        while self.current < self.chat.n:
+            out += b"".join(self.held.pop(self.current, []))
+            if self.current not in self.ended:
+                self.held[self.current] = []
                 break
-            current += 1
+            self.current += 1
         return out
 
+    def finish(self, ev: RequestEnd) -> list[bytes]:
+        usage_chunk = ([sse.event({**self.meta, "object": "chat.completion.chunk", "choices": [],
+                                   "usage": usage(ev, self.engine.effective_ctx)})] if self.chat.include_usage else [])
+        return [self.release(), *usage_chunk, sse.DONE]
+
+    def fail(self, ev: RequestError) -> bytes:
+        """The status line is already sent. context_over_budget ends the stream as an error event;
+        any other failure closes the open choices with "stop" (the contract) and then says why in an
+        error event, so a client can tell a failure from a natural end."""
+        error = sse.event(error_body(ev.type, ev.message, **ev.fields))
+        if ev.type == "context_over_budget":
+            return error
+        out = self.release()
+        for i in range(self.current, self.chat.n):
+            out += b"".join(self.held.pop(i, [])) + (self.chunk(i, {}, finish="stop") if i not in self.ended else b"")
+        return out + error + sse.DONE
+
+
+async def _stream(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine):
+    stream = ChunkStream(chat, plan, meta, engine)
     try:
         async for ev in events:
             if isinstance(ev, (Delta, ChoiceEnd)):
-                held.setdefault(ev.index, []).append(render(ev))
-                if isinstance(ev, ChoiceEnd):
-                    ended.add(ev.index)
-                if ev.index == current:
-                    yield release()
+                out = stream.add(ev)
+                if out is not None:
+                    yield out
             elif isinstance(ev, RequestEnd):
-                yield release()
-                if chat.include_usage:
-                    yield sse.event({**meta, "object": "chat.completion.chunk", "choices": [],
-                                     "usage": usage(ev, engine.effective_ctx)})
-                yield sse.DONE
+                for piece in stream.finish(ev):
+                    yield piece
             elif isinstance(ev, RequestError):
-                # The status line is already sent. context_over_budget ends the stream as an error
-                # event; any other failure closes the open choices with "stop" (the contract) and
-                # then says why in an error event, so a client can tell a failure from a natural end.
-                if ev.type == "context_over_budget":
-                    yield sse.event(error_body(ev.type, ev.message, **ev.fields))
-                    return
-                out = release()
-                for i in range(current, chat.n):
-                    out += b"".join(held.pop(i, [])) + (chunk(i, {}, finish="stop") if i not in ended else b"")
-                yield out + sse.event(error_body(ev.type, ev.message, **ev.fields)) + sse.DONE
+                yield stream.fail(ev)
                 return
     finally:
         await events.aclose()

@@ -150,8 +150,10 @@ def test_trace_breakdown_explains_a_request(app):
     logger = logging.getLogger("pantheon.trace")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
+    # a prompt no other test sent: a wholly cached prompt would prefill no chunk at all
+    body = {**CHAT, "messages": [{"role": "user", "content": "a prompt only the trace test sends"}]}
     try:
-        assert app.post("/v1/chat/completions", CHAT)[0] == 200
+        assert app.post("/v1/chat/completions", body)[0] == 200
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
