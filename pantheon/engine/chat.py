@@ -8,7 +8,7 @@ and grammar compiles are CPU work) and renders what comes back."""
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pantheon.config import no_think_default, tool_grammar
 from pantheon.engine.events import GenerationRequest
@@ -145,61 +145,99 @@ def count_prompt_tokens(engine, chat) -> int:
     return len(engine.encode_prompt(render_prompt(engine, chat)[0]))
 
 
-def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
-    """Render, tokenize and constrain `chat` for `engine`. With kv_cap, a prompt that cannot fit
-    (len >= kv_cap) raises PromptOverBudget as soon as that is known: before tokenizing when the
-    rendered text alone is too long, else right after, before any grammar compile. A raw prompt
-    (`chat.prompt`, the completions API) skips the template and tools."""
+@dataclass
+class _Prompt:
+    """A request's prompt as the engine will run it, and what the template decided about it."""
+
+    ids: list[int]
+    kwargs: dict = field(default_factory=dict)  # the template's arguments (enable_thinking, ...)
+    dialect: object = None  # the tool-call dialect, when tools were rendered
+    specs: list | None = None  # the tools' specs
+    tools_on: bool = False
+    think: bool = False  # the model thinks (a reasoning template)
+    start_in_reasoning: bool = False  # the template already opened the think block
+
+    @property
+    def think_rule(self) -> str:
+        """What a grammar lets come before its constrained part: an open think block to close
+        first, an optional one, or none."""
+        if self.start_in_reasoning:
+            return "open"
+        return "optional" if self.think and self.kwargs.get("enable_thinking") else "none"
+
+
+def _prompt(engine, chat, kv_cap: int | None) -> _Prompt:
+    """Render and tokenize; with kv_cap, refuse a prompt that cannot fit (len >= kv_cap) as soon as
+    that is known: before tokenizing when the rendered text alone is too long, else right after."""
+    if getattr(chat, "prompt", None) is not None:  # raw text or ids (the completions API)
+        ids = raw_prompt_ids(engine, chat)
+        if not ids:
+            raise PlanError("the prompt is empty")
+        if kv_cap is not None and len(ids) >= kv_cap:
+            raise PromptOverBudget(len(ids), kv_cap)
+        return _Prompt(ids)
+    text, kwargs, dialect, specs, tools_on = render_prompt(engine, chat)
+    if kv_cap is not None and (at_least := min_prompt_tokens(engine.tokenizer, text)) >= kv_cap:
+        raise PromptOverBudget(at_least, kv_cap, at_least=True)
+    ids = engine.encode_prompt(text)
+    if kv_cap is not None and len(ids) >= kv_cap:
+        raise PromptOverBudget(len(ids), kv_cap)
+    think = engine.think
+    return _Prompt(ids, kwargs, dialect, specs, tools_on, think, think and text.rstrip().endswith("<think>"))
+
+
+@dataclass
+class _Format:
+    """What response_format asks of the output: a grammar, or a status decided now."""
+
+    grammar: object = None
+    status: str | None = None  # decided now, or None: decided from the outputs
+    json_constrained: bool = False
+    downgraded: bool = False  # a schema the grammar could only follow as any JSON object
+
+
+def _response_format(engine, rf: dict | None, prompt: _Prompt) -> _Format:
+    if rf is None:
+        return _Format()
+    kind, factory, rule = rf.get("type"), engine.grammar_factory, prompt.think_rule
+    if prompt.tools_on:
+        return _Format(status="ignored_tools_present")
+    if kind == "text":
+        return _Format(status="applied")
+    if kind == "json_object":
+        return _Format(factory.json_object_grammar(rule), json_constrained=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
+        schema = spec.get("schema", spec if "type" in spec else None)
+        if not isinstance(schema, dict):
+            return _Format(factory.json_object_grammar(rule), json_constrained=True, downgraded=True)
+        grammar = factory.json_schema_grammar(schema, rule)
+        return _Format(grammar, json_constrained=True, downgraded=bool(grammar.downgraded))
+    return _Format(status="ignored_unknown_type")
+
+
+def _tool_grammar(engine, chat, prompt: _Prompt):
+    """The grammar PANTHEON_TOOL_GRAMMAR arms for this request's tool_choice, or None."""
     from pantheon.text.tools import tool_grammar_policy
 
-    if getattr(chat, "prompt", None) is not None:
-        prompt_ids = raw_prompt_ids(engine, chat)
-        if not prompt_ids:
-            raise PlanError("the prompt is empty")
-        if kv_cap is not None and len(prompt_ids) >= kv_cap:
-            raise PromptOverBudget(len(prompt_ids), kv_cap)
-        text, kwargs, dialect, specs, tools_on = "", {}, None, None, False
-        start_in_reasoning, think = False, False
-    else:
-        text, kwargs, dialect, specs, tools_on = render_prompt(engine, chat)
-        if kv_cap is not None and (at_least := min_prompt_tokens(engine.tokenizer, text)) >= kv_cap:
-            raise PromptOverBudget(at_least, kv_cap, at_least=True)
-        prompt_ids = engine.encode_prompt(text)
-        if kv_cap is not None and len(prompt_ids) >= kv_cap:
-            raise PromptOverBudget(len(prompt_ids), kv_cap)
-        think = engine.think
-        start_in_reasoning = think and text.rstrip().endswith("<think>")
-    think_rule = "open" if start_in_reasoning else ("optional" if think and kwargs["enable_thinking"] else "none")
+    policy = tool_grammar_policy(chat.tool_choice, prompt.tools_on) if prompt.tools_on else None
+    if policy is None:
+        return None
+    mode, function = policy
+    return engine.grammar_factory.tool_grammar(prompt.dialect, prompt.specs, mode, function=function,
+                                               think=prompt.think_rule)
 
-    grammar, status, json_constrained, downgraded = None, None, False, False
-    policy = tool_grammar_policy(chat.tool_choice, tools_on) if tools_on else None
-    if policy is not None:
-        mode, function = policy
-        grammar = engine.grammar_factory.tool_grammar(dialect, specs, mode, function=function, think=think_rule)
-    rf = chat.response_format
-    if rf is not None:
-        kind = rf.get("type")
-        if tools_on:
-            status = "ignored_tools_present"
-        elif kind == "text":
-            status = "applied"
-        elif kind == "json_object":
-            grammar, json_constrained = engine.grammar_factory.json_object_grammar(think_rule), True
-        elif kind == "json_schema":
-            spec = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
-            schema = spec.get("schema", spec if "type" in spec else None)
-            if isinstance(schema, dict):
-                grammar = engine.grammar_factory.json_schema_grammar(schema, think_rule)
-                downgraded = bool(grammar.downgraded)
-            else:
-                grammar, downgraded = engine.grammar_factory.json_object_grammar(think_rule), True
-            json_constrained = True
-        else:
-            status = "ignored_unknown_type"
 
+def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
+    """Render, tokenize and constrain `chat` for `engine`. With kv_cap, a prompt that cannot fit
+    (len >= kv_cap) raises PromptOverBudget as soon as that is known, before any grammar compile. A
+    raw prompt (`chat.prompt`, the completions API) skips the template and tools."""
+    prompt = _prompt(engine, chat, kv_cap)
+    tools = _tool_grammar(engine, chat, prompt)
+    fmt = _response_format(engine, chat.response_format, prompt)
     request = GenerationRequest(
-        prompt_ids=prompt_ids, choices=[_sampling(chat, i) for i in range(chat.n)],
-        max_tokens=chat.max_tokens, stops=chat.stop, think=think, start_in_reasoning=start_in_reasoning,
-        session_id=chat.session_id, dialect=dialect, tools=specs, grammar=grammar,
+        prompt_ids=prompt.ids, choices=[_sampling(chat, i) for i in range(chat.n)],
+        max_tokens=chat.max_tokens, stops=chat.stop, think=prompt.think, start_in_reasoning=prompt.start_in_reasoning,
+        session_id=chat.session_id, dialect=prompt.dialect, tools=prompt.specs, grammar=fmt.grammar or tools,
         reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0))
-    return ChatPlan(request, status, json_constrained, downgraded)
+    return ChatPlan(request, fmt.status, fmt.json_constrained, fmt.downgraded)
