@@ -91,15 +91,67 @@ def qwen35moe_q3_k_m_gguf(_qwen35moe_models) -> Path:
 
 # ---- the fast lane ---------------------------------------------------------------------------------------
 SLOW_FIXTURES = {"smol_server", "gemma3_path"}  # a real server process; the real Gemma 3 file
+# Tests of 1.5 s or more on 2 cores (measured with --durations: ~220 s of the lane's ~370): the full
+# suite, which CI and the README run, keeps them; the fast lane leaves them out.
+HEAVY = frozenset({
+    "tests/engine/test_full_step.py::test_a_kernel_that_cannot_be_lowered_falls_back_to_the_reference[llama]",
+    "tests/engine/test_full_step.py::test_full_step_equals_per_layer_programs[llama]",
+    "tests/engine/test_scheduler.py::test_a_short_prompt_is_answered_before_a_long_prompt_ahead_of_it_finishes_prefilling",
+    "tests/gguf/test_quants.py::test_integer_parts_of_ggml_quantized_samples",
+    "tests/model/test_bf16.py::test_qwen35moe_q3k_bf16_within_tolerance_of_f32",
+    "tests/model/test_kernel_paths.py::test_planes_path_equals_float32_path",
+    "tests/pallas/test_cached_attention.py::test_blocked_matches_the_reference_on_the_rows_slots[1-300-64-64-256-4-2]",
+    "tests/test_cli.py::test_generate_refuses_a_model_past_the_host_budget_in_one_line",
+    "tests/test_cli.py::test_serve_whose_every_model_fails_to_load_exits_1_with_the_reason",
+    "tests/test_cli.py::test_serve_with_a_missing_model_file_exits_2_with_the_path",
+    "tests/test_gpu_check.py::test_lower_only_lowers_every_program_for_cuda",
+    "tests/web/test_request_limits.py::test_planning_runs_off_the_event_loop",
+    "tests/engine/test_admission.py::test_the_estimate_is_what_the_loader_places[qwen35moe-q3_k_m]",
+    "tests/engine/test_full_step.py::test_a_kernel_that_cannot_be_lowered_falls_back_to_the_reference[qwen35moe]",
+    "tests/engine/test_full_step.py::test_failed_full_step_compile_falls_back_then_heals[qwen35moe]",
+    "tests/engine/test_full_step.py::test_full_step_equals_per_layer_programs[qwen35moe]",
+    "tests/engine/test_full_step.py::test_sampling_inlined_in_the_full_step_gives_the_same_tokens[llama]",
+    "tests/engine/test_full_step.py::test_sampling_inlined_in_the_full_step_gives_the_same_tokens[qwen35moe]",
+    "tests/engine/test_full_step.py::test_step_fault_and_host_kv_use_the_per_layer_programs[qwen35moe]",
+    "tests/engine/test_hybrid_engine.py::test_scheduler_greedy_reproduces_llamacpp_continuation[s33]",
+    "tests/engine/test_hybrid_engine.py::test_scheduler_greedy_reproduces_llamacpp_continuation[s5]",
+    "tests/engine/test_profile.py::test_profile_trace_has_prefill_decode_and_sample_spans",
+    "tests/engine/test_scheduler.py::test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills",
+    "tests/engine/test_sessions.py::test_a_session_moved_to_the_host_exports_the_same_bytes_and_resumes_token_identically[hybrid]",
+    "tests/engine/test_warm_up.py::test_warm_up_compiles_what_serving_needs[llama]",
+    "tests/engine/test_warm_up.py::test_warm_up_compiles_what_serving_needs[qwen35moe]",
+    "tests/gguf/test_corrupt_files.py::test_corrupt_file_is_refused_with_one_line[template-loops]",
+    "tests/gguf/test_corrupt_files.py::test_generate_subprocess_looping_template",
+    "tests/model/test_bf16.py::test_qwen35moe_interpreted_kernels_take_bf16_operands",
+    "tests/model/test_bf16.py::test_smollm2_bf16_within_tolerance_of_f32",
+    "tests/model/test_kernel_paths.py::test_tiny_llama_interpreted_kernels_equal_reference",
+    "tests/model/test_kernel_paths.py::test_tiny_qwen35moe_q3k_interpreted_kernels_equal_reference",
+    "tests/model/test_llama_vs_llamacpp.py::test_teacher_forced_top1_agrees_on_98_percent_of_all_steps",
+    "tests/model/test_llama_vs_llamacpp.py::test_teacher_forced_top1_and_top10_agree_with_llamacpp",
+    "tests/model/test_qwen35moe.py::test_q3_k_m_through_the_grouped_q3k_kernel_matches_llamacpp",
+    "tests/model/test_synthetic.py::test_real_shaped_specs_and_a_scaled_down_decode",
+    "tests/pallas/test_moe_q3k.py::test_moe_ffn_matches_dense_reference[7-512-256-6-3-True-schemes1]",
+    "tests/test_cli.py::test_generate_json_greedy_first_token_equals_llamacpp",
+    "tests/test_cli.py::test_generate_on_q3k_experts_follows_llamacpp_loosely",
+    "tests/test_cli.py::test_generate_tokens_reproduces_llamacpp_greedy_on_the_qwen35moe_references",
+    "tests/test_cli.py::test_tokenize_with_and_without_special",
+    "tests/test_gpu_check.py::test_tiny_model_run_reports_speed_and_residency",
+    "tests/web/test_load_cycles.py::test_load_chat_unload_cycles_leave_resident_memory_flat",
+    "tests/web/test_load_cycles.py::test_loads_refused_after_the_weights_were_placed_leave_no_memory_behind",
+    "tests/web/test_no_models.py::test_no_models_loaded_is_503_and_health_says_which_load_failed",
+    "tests/web/test_request_limits.py::test_a_trickling_body_gets_408_after_the_total_limit",
+})
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark `slow` every test that starts a real server (through these fixtures or ServerProcess in
-    its module) or reads a real model: `pytest -m "not slow"` runs the rest, in process."""
+    its module), reads a real model, or takes 1.5 s or more (HEAVY): `pytest -m "not slow"` runs the
+    rest, in process."""
     starts_servers: dict = {}
     for item in items:
         path = Path(str(item.fspath))
         if path not in starts_servers:
             starts_servers[path] = "ServerProcess(" in path.read_text(errors="replace")
-        if starts_servers[path] or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if (starts_servers[path] or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or item.nodeid in HEAVY):
             item.add_marker(pytest.mark.slow)
