@@ -112,6 +112,16 @@ def _rank_noise(key, width: int):
     return jnp.concatenate([head, jax.random.gumbel(jax.random.fold_in(key, 1), (width - CANDIDATES,))])
 
 
+def first_argmax(x):
+    """jnp.argmax over the last axis (the first index of the maximum; of the first NaN if any) as
+    two vectorised reductions: XLA:CPU runs argmax's (value, index) reduce one element at a time,
+    1.24 ms over Gemma 3's 262k-token vocabulary against 0.45 for this (~9 % of its decode step)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     """temperature-scaled logits -> sampled ids, restricted to the `width` best candidates."""
     vals, ids = jax.lax.top_k(scaled, width)  # descending
@@ -121,7 +131,7 @@ def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = keep & (mass_before < top_p[:, None])  # the top token is always kept
     noise = jax.vmap(lambda key: _rank_noise(key, width))(row_keys)
-    choice = jnp.argmax(jnp.where(keep, vals + noise, -jnp.inf), axis=-1)  # Gumbel-max = categorical
+    choice = first_argmax(jnp.where(keep, vals + noise, -jnp.inf))  # Gumbel-max = categorical
     return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
 
 
@@ -167,7 +177,7 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     x = x - b.presence[:, None] * (counts > 0) - b.frequency[:, None] * counts
     if b.mask is not None:
         x = jnp.where(unpack_bitmask(b.mask, n_vocab), x, -jnp.inf)
-    greedy_ids = jnp.argmax(x, axis=-1)
+    greedy_ids = first_argmax(x)
 
     sampled_rows = temperature > 0
     scaled = x / jnp.maximum(temperature, 1e-6)[:, None]

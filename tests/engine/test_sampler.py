@@ -93,3 +93,19 @@ def test_forced_token_replaces_the_choice_but_keeps_the_model_logprob():
     assert int(out.tokens[0]) == 123
     lse = np.log(np.exp(logits[0] - logits.max()).sum()) + logits.max()
     assert abs(float(out.logprob[0]) - (logits[0, 123] - lse)) < 1e-5
+
+
+def test_first_argmax_is_jnp_argmax_on_ties_nans_and_masked_rows():
+    import jax.numpy as jnp
+
+    from pantheon.engine.sampler import first_argmax
+
+    rng = np.random.default_rng()
+    for trial in range(60):
+        x = rng.standard_normal((4, 700)).astype(np.float32)
+        x[0, rng.integers(0, 700, 6)] = x[0].max() + 1  # a tie at the top: the first index wins
+        if trial % 3 == 0:
+            x[1, rng.integers(0, 700, 2)] = np.nan  # the first NaN, as jnp.argmax answers
+        x[2] = -np.inf  # every token masked: index 0
+        x[3, :] = 0.0
+        np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.asarray(jnp.argmax(x, axis=-1)))
