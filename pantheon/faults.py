@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from pantheon.config import fault_spec
+
 COUNTED = ("compile", "lowering", "kv_alloc", "step")
 MEMORY_LEVELS = ("ok", "pressure", "critical")
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from pantheon.config import ENV_KV_RETRY_BUDGET, kv_retry_budget
+from pantheon.config import kv_retry_budget
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.faults import FAULTS
 from pantheon.model import kernels as kern
@@ -17,7 +17,6 @@ from pantheon.model import kernels as kern
 if TYPE_CHECKING:
     from pantheon.engine.runner import ModelRunner
 
-KV_RETRY_BUDGET_ENV = ENV_KV_RETRY_BUDGET
 
 
 class AttentionResidency:

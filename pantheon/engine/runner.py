@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pantheon.config import ENV_FULL_STEP, full_step_enabled
+from pantheon.config import full_step_enabled
 from pantheon.faults import FAULTS, InjectedFault
 from pantheon.engine.graphs import GraphKey, GraphRegistry, abstract
 from pantheon.engine.memory import release_free_memory
@@ -37,8 +37,6 @@ RELEASE_AFTER_PROMPT = 1024  # tokens: a prompt this long returns its transient 
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512)
 MIN_KV_BUCKET = 128
 
-
-FULL_STEP_ENV = ENV_FULL_STEP
 
 
 def graph_class(kind: str, program: str, batch: int) -> str:

@@ -37,6 +37,13 @@ inline __m128i iq4_values(__m128i idx) {
   return _mm_shuffle_epi8(table, idx);
 }
 
+// 16 bytes of IQ4 indices (an IQ4_NL block's, an IQ4_XS sub-block's) -> their 32 int8 values in
+// weight order: the low nibbles are weights 0-15, the high ones 16-31.
+inline __m256i iq4_codes(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(iq4_values(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), iq4_values(_mm_and_si128(raw, m4)));
+}
+
 // IQ4_XS's eight 6-bit scales, centred (-32..31): low 4 bits from scales_l (sub-block i: byte i / 2,
 // nibble i % 2), high 2 from scales_h (bits 2i, 2i + 1).
 inline void iq4xs_scales(const uint8_t* b, int16_t s[8]) {
@@ -156,12 +163,9 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
     const float d = fp16_at(b);
     int16_t s[8];
     iq4xs_scales(b, s);
-    const __m128i m4s = _mm_set1_epi8(0x0F);
     for (int i = 0; i < 8; ++i) {
       o.scale[i] = d * static_cast<float>(s[i]), o.min[i] = 0.f;
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * i));
-      _mm_store_si128(reinterpret_cast<__m128i*>(o.q + 32 * i), iq4_values(_mm_and_si128(raw, m4s)));
-      _mm_store_si128(reinterpret_cast<__m128i*>(o.q + 32 * i + 16), iq4_values(_mm_and_si128(_mm_srli_epi16(raw, 4), m4s)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 32 * i), iq4_codes(b + 8 + 16 * i));
     }
   } else if constexpr (t == kQ3_K) {  // 2 low bits from qs, minus 4 where the hmask bit is clear
     decode_scales_k<t>(b, o);
@@ -514,7 +518,6 @@ inline void q6k_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N
 template <int64_t R>
 inline void iq4xs_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {
   const int64_t nsb = K / 256;
-  const __m128i m4 = _mm_set1_epi8(0x0F);
   v8f acc[R] = {};
   for (int64_t j = 0; j < nsb; ++j) {
     const uint8_t* b = wrow + j * k_bytes(kIQ4_XS);
@@ -524,8 +527,7 @@ inline void iq4xs_tile8(const Q8KRows& a, const uint8_t* wrow, float* y, int64_t
     iq4xs_scales(b, sc);
     __m256i q[8], mag[8], s[8];
     for (int i = 0; i < 8; ++i) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * i));
-      q[i] = _mm256_set_m128i(iq4_values(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), iq4_values(_mm_and_si128(raw, m4)));
+      q[i] = iq4_codes(b + 8 + 16 * i);
       mag[i] = _mm256_sign_epi8(q[i], q[i]);
       s[i] = _mm256_set1_epi16(sc[i]);
     }

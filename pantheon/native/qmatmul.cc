@@ -27,7 +27,7 @@ namespace {
 // block's nibbles are split in registers (low nibbles are weights 0-15, high ones 16-31): the same
 // codes, so the same arithmetic as their unpacked forms, bit for bit.
 // IQ4_NL (d, 16 bytes of nibbles indexing a fixed table of 16 int8 values) reads as Q4_0 with the
-// table looked up in registers (iq4_value): its codes are int8s, as Q8_0's.
+// table looked up in registers (iq4_values): its codes are int8s, as Q8_0's.
 enum QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kIQ4_NL = 20, kBF16 = 30, kU4_1 = 1003 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -244,7 +244,7 @@ inline void tile8(const Q8Rows& a, const uint8_t* wrow, float* y, int64_t N, int
       if constexpr (!has_min(t)) xq = _mm256_sign_epi8(xq, sign);
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);  // exact: |pair| < 2^15
       const float dd = d * a.d[row * nb + j];
-      if (j >= nv) {  // IQ4_NL's odd last block: its integer sum, scaled, onto the float total
+      if (pairs && j >= nv) {  // IQ4_NL's odd last block: its integer sum, scaled, onto the float total
         alignas(32) int32_t lanes[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), dot);
         int32_t sum = 0;

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pantheon.gguf.arithmetic import IntBlocks, int_linear
-from pantheon.gguf.quants import IQ4_VALUES, SCALE_FIELDS, dequantize, integer_parts
+from pantheon.gguf.quants import SCALE_FIELDS, dequantize, integer_parts
 
 TARGET = "pantheon_qmatmul"
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30  # ggml type ids the kernel takes from a GGUF
@@ -168,21 +168,18 @@ def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) 
 
 
 def int_blocks(w: QMatrix):
-    """A QMatrix as arithmetic.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block); K-quants
-    through gguf.quants.integer_parts (their integer sub-block scales and mins)."""
-    if w.qtype in K_TYPES:  # traceable: integer_parts decodes in jnp
+    """A QMatrix as arithmetic.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block); K-quants and
+    IQ4_NL through gguf.quants.integer_parts (their integer sub-block scales and mins, the table's
+    values)."""
+    if w.qtype in K_TYPES or w.qtype == IQ4_NL:  # traceable: integer_parts decodes in jnp
         c, d, mn, dmin = (None if a is None else a.T for a in integer_parts(w.blocks, w.qtype))
         return IntBlocks(c, d, mn, dmin, SCALE_FIELDS[w.qtype][2])
     b = w.blocks.reshape(w.n_out, w.n_in // 32, BLOCK_BYTES[w.qtype])
     fp16 = lambda lo: jax.lax.bitcast_convert_type(b[..., lo:lo + 2], jnp.float16).astype(jnp.float32).T  # noqa: E731
     nibbles = lambda qs: jnp.concatenate([qs & 15, qs >> 4], axis=-1)  # noqa: E731 - weights 0-15, then 16-31
-    if w.qtype in (Q8_0, Q4_0, IQ4_NL):  # d, then 32 x int8 (Q4_0: 16 bytes of nibbles, code - 8)
-        if w.qtype == Q8_0:
-            c = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
-        elif w.qtype == Q4_0:
-            c = nibbles(b[..., 2:]).astype(jnp.float32) - 8
-        else:  # IQ4_NL: the nibbles index the table
-            c = jnp.take(jnp.asarray(IQ4_VALUES, jnp.float32), nibbles(b[..., 2:]).astype(jnp.int32))
+    if w.qtype in (Q8_0, Q4_0):  # d, then 32 x int8 (Q4_0: 16 bytes of nibbles, code - 8)
+        c = (jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) if w.qtype == Q8_0
+             else nibbles(b[..., 2:]).astype(jnp.float32) - 8)
         return IntBlocks(c.reshape(w.n_out, w.n_in).T, fp16(0))
     # U4_1 / Q4_1: d, m, then 32 x u8 (or 16 bytes of nibbles); the min term is m * 1 per block
     codes = b[..., 4:] if w.qtype == U4_1 else nibbles(b[..., 4:])

@@ -21,12 +21,11 @@ import logging
 import httpx
 from quart import Quart, Response, request
 
-from pantheon.config import ENV_ROUTER_TTL, admin_token, router_ttl_s
+from pantheon.config import admin_token, router_ttl_s
 from pantheon.router.registry import Instance, Registry, ReportError
 from pantheon.web.errors import answer_unknown_routes, error_response
 
 log = logging.getLogger("pantheon.router")
-ENV_TTL = ENV_ROUTER_TTL
 HEARTBEAT_S = 2.0
 RETRYABLE = (429, 503)
 FORWARD_HEADERS = ("content-type", "accept", "authorization", "x-session-id")

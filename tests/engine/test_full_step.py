@@ -10,7 +10,8 @@ import pytest
 
 from pantheon.faults import FAULTS
 from pantheon.engine.graphs import GraphRegistry
-from pantheon.engine.runner import FULL_STEP_ENV, ModelRunner
+from pantheon.config import ENV_FULL_STEP
+from pantheon.engine.runner import ModelRunner
 from pantheon.gguf import open_gguf
 
 from pantheon.model.family import family_of
@@ -34,7 +35,7 @@ def model_path(request, tmp_path_factory):
 def greedy_run(path, monkeypatch, full_step: bool, registry: GraphRegistry | None = None):
     """Prefill PROMPTS into slots 0 and 1, then STEPS greedy batched decode steps (and one at batch 1).
     Returns the decode logits [steps, 2, V] and the runner."""
-    monkeypatch.setenv(FULL_STEP_ENV, "1" if full_step else "0")
+    monkeypatch.setenv(ENV_FULL_STEP, "1" if full_step else "0")
     g = open_gguf(path)
     spec = spec_from_gguf(g)
     fam = family_of(spec)
@@ -134,7 +135,7 @@ def sampled_run(path, monkeypatch, full_step: bool):
     from pantheon.engine.runner import DecodeWork, StepWork
     from pantheon.engine.sampler import SamplingParams
 
-    monkeypatch.setenv(FULL_STEP_ENV, "1" if full_step else "0")
+    monkeypatch.setenv(ENV_FULL_STEP, "1" if full_step else "0")
     g = open_gguf(path)
     spec = spec_from_gguf(g)
     fam = family_of(spec)

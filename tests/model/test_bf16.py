@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pantheon.engine.runner import FULL_STEP_ENV, ModelRunner
+from pantheon.config import ENV_FULL_STEP
+from pantheon.engine.runner import ModelRunner
 from pantheon.gguf import open_gguf
 from pantheon.model import dtypes, kernels as kern
 from pantheon.model.family import family_of
@@ -123,7 +124,7 @@ def test_qwen35moe_q3k_bf16_within_tolerance_of_f32(tiny_q3k, monkeypatch):
 
 
 def test_qwen35moe_interpreted_kernels_take_bf16_operands(tiny_q3k, monkeypatch):
-    monkeypatch.setenv(FULL_STEP_ENV, "0")
+    monkeypatch.setenv(ENV_FULL_STEP, "0")
     monkeypatch.setenv("PANTHEON_KERNELS", "reference")
     ref, _ = run(tiny_q3k, BF16, PROMPT, STEPS, ctx=32)
     monkeypatch.setenv("PANTHEON_KERNELS", "interpret")

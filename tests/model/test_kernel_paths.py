@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from pantheon.engine.graphs import GraphRegistry
-from pantheon.engine.runner import FULL_STEP_ENV, ModelRunner
+from pantheon.config import ENV_FULL_STEP
+from pantheon.engine.runner import ModelRunner
 from pantheon.gguf import open_gguf
 from pantheon.model import kernels as kern
 from pantheon.model import llama, qwen35moe
@@ -79,7 +80,7 @@ def run_model(path, monkeypatch, mode: str):
     monkeypatch.setenv(dispatch.ENV, mode)
     # the per-layer programs, whose static `kernels` the registry sees (the full-step program
     # inlines them: tests/engine/test_full_step.py compares the two)
-    monkeypatch.setenv(FULL_STEP_ENV, "0")
+    monkeypatch.setenv(ENV_FULL_STEP, "0")
     g = open_gguf(path)
     spec = spec_from_gguf(g)
     fam = family_of(spec)
