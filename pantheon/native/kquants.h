@@ -228,6 +228,150 @@ inline vkf k_codes(const SuperBlock& sb, int v) { return code_f32(sb, v); }
 inline float k_hsum(vkf v) { return hsum(v); }
 #endif
 
+#if defined(__AVX512F__)
+// ---- AVX-512: 4-bit codes looked up straight into f32 (f32 activations) -------------------------
+// Where a code is a nibble (Q4_K and IQ4_XS), vpermps turns 16 of them into f32 at once from a
+// 16-entry table (0..15, or IQ4's values) with the nibbles as indices. It reads only an index's low
+// 4 bits, so a dword shifted right brings a nibble down with no mask: one shift and one lookup per
+// 16 codes, against codes_k's unpacking plus a widening and a conversion. The codes come out in the
+// order their nibbles sit in the dwords, so x is permuted once per call to that order (lut_order);
+// the sums are then as ktile's (per sub-block, scaled once; the min term from x's sub-block sums).
+// A row's sums run over the same vectors in the same order in every tile, so the batch never
+// changes a row. 8192 x 2048 on one Zen 4 thread, one row / four: Q4_K 1.08 -> 1.03 / 3.15 -> 2.20 ms,
+// IQ4_XS 1.13 -> 1.09 / 2.93 -> 2.16. (What it saves is codes_k's trip through memory: Q4_1's
+// 32-weight blocks, split in registers already, ran 20 % slower looked up, so they are not.)
+//
+// The order, per 32-weight sub-block, lane L of vector v (0, 1):
+//  - Q4_K: a 32-byte chunk of codes broadcast to both halves of the register, low nibbles one
+//    sub-block, high nibbles the next: weight 4 (L % 8) + 2 v + L / 8.
+//  - IQ4_XS: a sub-block's 16 bytes (low nibbles weights 0-15) broadcast to the four 128-bit
+//    quarters: weight 16 v + 4 (L % 4) + L / 4.
+constexpr bool lut_k(int64_t t) { return t == kQ4_K || t == kIQ4_XS; }
+
+// x [rows, K] -> xp in the order the lookups produce the codes (K a multiple of 32): Q4_K's
+// (chunk32) or IQ4_XS's.
+inline void lut_order(bool chunk32, const float* x, float* xp, int64_t rows, int64_t K) {
+  int src[32];
+  for (int v = 0; v < 2; ++v)
+    for (int L = 0; L < 16; ++L) src[16 * v + L] = chunk32 ? 4 * (L % 8) + 2 * v + L / 8 : 16 * v + 4 * (L % 4) + L / 4;
+  for (int64_t g = 0; g < rows * K / 32; ++g)
+    for (int k = 0; k < 32; ++k) xp[32 * g + k] = x[32 * g + src[k]];
+}
+
+// A Q4_K super-block's sub-block scales d * sc (lanes 0-7) and mins dmin * mn (lanes 8-15), as
+// codes_k computes them, decoded in registers (k4_scale_bytes' bit layout).
+inline __m512 q4k_scales16(const uint8_t* b) {
+  const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // u0, u1, u2 (and 4 bytes of codes)
+  const __m128i m6 = _mm_set1_epi8(0x3f), m4 = _mm_set1_epi8(0x0f), m2 = _mm_set1_epi8(0x03);
+  const __m128i lo = _mm_and_si128(u, m6);  // dword 0: scales 0-3, dword 1: mins 0-3
+  const __m128i u2 = _mm_srlv_epi32(_mm_shuffle_epi32(u, 0xAA), _mm_setr_epi32(0, 4, 0, 0));
+  const __m128i hi = _mm_or_si128(_mm_and_si128(u2, m4), _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u, 6), m2), 4));
+  const __m128i bytes = _mm_unpacklo_epi32(lo, hi);  // scales 0-3, 4-7, mins 0-3, 4-7
+  const __m512 dm = _mm512_insertf32x8(_mm512_set1_ps(fp16_at(b)), _mm256_set1_ps(fp16_at(b + 2)), 1);
+  return _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+}
+
+inline __m512 lut_iq4() { return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113); }
+
+// 16 bytes of nibbles (low ones weights 0-15) -> 32 entries of `table` as two vectors, lut order.
+inline void lut_block16(const uint8_t* qs, __m512 table, __m512 c[2]) {
+  const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i s = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+  c[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(raw, s), table);
+  c[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(raw, _mm512_add_epi32(s, _mm512_set1_epi32(4))), table);
+}
+
+// Quarter q (sub-blocks 2q and 2q + 1) of a super-block's codes as four f32 vectors, lut order.
+template <int64_t t>
+inline void lut_codes(const uint8_t* b, int q, __m512 c[4]) {
+  if constexpr (t == kQ4_K) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * q)));
+    const __m512i s = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    for (int i = 0; i < 4; ++i)  // shifts 0|8, 16|24 (low nibbles), 4|12, 20|28 (high)
+      c[i] = _mm512_permutexvar_ps(_mm512_srlv_epi32(raw, _mm512_add_epi32(s, _mm512_set1_epi32(16 * (i % 2) + 4 * (i / 2)))), table);
+  } else {
+    for (int h = 0; h < 2; ++h) lut_block16(b + 8 + 16 * (2 * q + h), lut_iq4(), c + 2 * h);
+  }
+}
+
+// R rows m0.. (xp in lut order; xsum: x's sums per 32, Q4_K's min term) of output column n.
+template <int64_t t, int64_t R>
+inline void lut_ktile(const float* xp, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
+                      int64_t m0, int64_t n) {
+  constexpr int64_t bb = k_bytes(t);
+  __m512 acc[R][2];
+  __m256 macc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < K / 256; ++j) {
+    const uint8_t* b = wrow + j * bb;
+    _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+    alignas(64) float sm[16];  // scales, then (Q4_K) mins
+    if constexpr (t == kQ4_K) {
+      _mm512_store_ps(sm, q4k_scales16(b));
+    } else {
+      int16_t s[8];
+      iq4xs_scales(b, s);
+      const float d = fp16_at(b);
+      for (int k = 0; k < 8; ++k) sm[k] = d * static_cast<float>(s[k]);
+    }
+    for (int q = 0; q < 4; ++q) {
+      __m512 c[4];
+      lut_codes<t>(b, q, c);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* xr = xp + (m0 + r) * K + j * 256 + 64 * q;
+        const __m512 lo = _mm512_fmadd_ps(c[1], _mm512_loadu_ps(xr + 16), _mm512_mul_ps(c[0], _mm512_loadu_ps(xr)));
+        const __m512 hi = _mm512_fmadd_ps(c[3], _mm512_loadu_ps(xr + 48), _mm512_mul_ps(c[2], _mm512_loadu_ps(xr + 32)));
+        acc[r][0] = _mm512_fmadd_ps(lo, _mm512_set1_ps(sm[2 * q]), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(sm[2 * q + 1]), acc[r][1]);
+      }
+    }
+    if constexpr (t == kQ4_K) {
+      const __m256 mins = _mm256_load_ps(sm + 8);
+      for (int64_t r = 0; r < R; ++r)
+        macc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xsum + (m0 + r) * (K / 32) + 8 * j), macc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    y[(m0 + r) * N + n] = k_hsum(_mm512_add_ps(acc[r][0], acc[r][1])) - hsum((v8f)macc[r]);
+}
+
+// Q6_K, its codes kept in registers (q6k_codes) and each 16 weights dequantized once for the
+// tile's rows, as ggml computes them ((d * sc) * (code - 32): the reference's values, bit for bit),
+// then one multiply-add a row (ktile scales each row's sums per 16). 8192 x 2048 on one Zen 4
+// thread, one row / four: 1.42 -> 1.36 / 4.05 -> 3.18 ms.
+template <int64_t R>
+inline void q6k_ktile(const float* x, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0, int64_t n) {
+  constexpr int64_t bb = k_bytes(kQ6_K);
+  __m512 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m256i off = _mm256_set1_epi8(32);
+  for (int64_t j = 0; j < K / 256; ++j) {
+    const uint8_t* b = wrow + j * bb;
+    _mm_prefetch(reinterpret_cast<const char*>(b) + 1024, _MM_HINT_T0);
+    alignas(64) float sc[16];  // d * sc, per 16 weights
+    _mm512_store_ps(sc, _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))))));
+    __m256i q[8];
+    q6k_codes(b, q);
+    for (int v = 0; v < 8; ++v) {
+      const __m256i c = _mm256_sub_epi8(q[v], off);
+      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))), _mm512_set1_ps(sc[2 * v]));
+      const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))), _mm512_set1_ps(sc[2 * v + 1]));
+      for (int64_t r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * K + j * 256 + 32 * v;
+        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = k_hsum(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#else  // AVX2: ktile's conversions (vpermps looks up 8 entries there, not 16)
+constexpr bool lut_k(int64_t) { return false; }
+inline void lut_order(bool, const float*, float*, int64_t, int64_t) {}
+#endif
+
 template <int64_t t, int64_t R>
 inline void ktile(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K, int64_t m0,
                   int64_t n) {
@@ -271,6 +415,15 @@ void kcolumns(const float* x, const float* xsum, const uint8_t* w, float* y, int
               int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 256 * k_bytes(t);
   tiled_columns<4>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+#if defined(__AVX512F__)
+    if constexpr (lut_k(t)) {
+      lut_ktile<t, decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);
+      return;
+    } else if constexpr (t == kQ6_K) {
+      q6k_ktile<decltype(R)::value>(x, w + n * row_bytes, y, N, K, m0, n);
+      return;
+    }
+#endif
     ktile<t, decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);
   });
 }

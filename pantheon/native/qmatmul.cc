@@ -322,6 +322,12 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
     xsum[i] = s;
   }
   const float* xs = xsum.get();
+  std::unique_ptr<float[]> xl;
+  if (lut_k(qtype)) {  // x in the order the lookups produce the codes
+    xl.reset(new float[M * K + 1]);
+    lut_order(qtype == kQ4_K, xp, xl.get(), M, K);
+    xp = xl.get();
+  }
   parallel_for(pool, threads, N, chunk, [&](int64_t n0, int64_t n1) { kcolumns(qtype, xp, xs, wp, yp, M, N, K, n0, n1); });
   return ffi::Error::Success();
 }
