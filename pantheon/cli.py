@@ -27,7 +27,7 @@ def _model_path(arg: str | None) -> str:
 def _load_engine(args, ctx_cap: int = 4096, max_sessions: int = 1):
     from pantheon.engine.engine import Engine
 
-    from pantheon.config import ModelConfig
+    from pantheon.config import ModelConfig, Settings
     from pantheon.engine.pool import ModelPool
 
     path = _model_path(args.model)
@@ -36,7 +36,9 @@ def _load_engine(args, ctx_cap: int = 4096, max_sessions: int = 1):
     ModelPool().admit(ModelConfig(path=path, name=path, ctx_cap=ctx_cap, max_sessions=max_sessions,
                                   numerics=args.numerics, kv_dtype=args.kv_dtype))
     _phase(f"loading model {path} ({args.numerics} numerics, {args.kv_dtype} KV)...")
-    return Engine(path, ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics, kv_dtype=args.kv_dtype)
+    config = ModelConfig(path=path, ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics,
+                         kv_dtype=args.kv_dtype)
+    return Engine(config, Settings.from_env())
 
 
 def cmd_generate(args) -> int:

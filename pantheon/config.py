@@ -1,7 +1,7 @@
 """Configuration as frozen dataclasses and accessors. Environment variable names live here and
 nowhere else, and this is the only module that reads (or, for a multi-process serve, writes) the
 environment: the serve's and engine's settings are read once into frozen dataclasses (ServeConfig,
-ModelConfig, EngineEnv); the process-wide switches below are read by an accessor when the component
+ModelConfig, Settings); the process-wide switches below are read by an accessor when the component
 that uses them is built (a runner, a ladder, a kernel plan), so a test can change them per case."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ModelConfig:
     """How one model is served: where it comes from and the per-model caps."""
 
     path: str
-    name: str
+    name: str = ""  # "" = the file's name without .gguf
     ctx_cap: int = DEFAULT_CTX_CAP
     max_sessions: int = 4
     max_concurrent: int = 0  # 0 = the resolved max_sessions
@@ -180,8 +180,9 @@ def no_think_default() -> bool:
 
 
 @dataclass(frozen=True)
-class EngineEnv:
-    """Engine-wide settings read from the environment (the contract's names)."""
+class Settings:
+    """Engine-wide settings, read from the environment (the contract's names) once, when a serve or
+    command starts (`from_env`), and passed to every Engine it builds."""
 
     batching: bool = True
     queue_depth: int = DEFAULT_QUEUE_DEPTH
@@ -190,7 +191,7 @@ class EngineEnv:
     warm_up: bool = True  # compile every prefill bucket and decode step at load (runner.warm_up)
 
     @classmethod
-    def from_env(cls) -> EngineEnv:
+    def from_env(cls) -> Settings:
         ttl, grace, depth = _env_int(ENV_SESSION_IDLE_TTL), _env_int(ENV_WATCH_GRACE), _env_int(ENV_QUEUE_DEPTH)
         return cls(batching=os.environ.get(ENV_BATCH_SLOTS, "1").strip() != "0",
                    queue_depth=DEFAULT_QUEUE_DEPTH if depth is None else max(depth, 0),

@@ -25,7 +25,7 @@ from pantheon.engine.memory import MemoryLadder
 from pantheon.engine.runner import ModelRunner
 from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
-from pantheon.config import session_host_bytes, session_key
+from pantheon.config import ModelConfig, Settings, session_host_bytes, session_key
 from pantheon.engine.host_budget import HostBudget, process_host_budget
 from pantheon.engine.sessions import CapacityError, Parked, SessionError, SlotTable
 from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
@@ -73,60 +73,69 @@ class Throughput:
         return sum(r[1] for r in recent) / seconds if seconds > 0 else 0.0
 
 
+def text_of(gguf: GGUFFile, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
+    """The file's tokenizer and chat template. Their problems refuse the file (a GGUFError), before
+    anything touches the device. A base model's file may hold no chat template: it serves raw
+    completions only (/v1/completions, `generate --raw`); chat turns get a 400 that says so."""
+    try:
+        tokenizer = Tokenizer.from_gguf(gguf)
+        template = None
+        if gguf.metadata.get("tokenizer.chat_template"):
+            template = ChatTemplate.from_gguf(gguf, tokenizer)
+            template.probe()
+        return tokenizer, template
+    except GGUFError:
+        raise
+    except ValueError as e:  # incl. ChatTemplateError
+        raise GGUFError(f"{path}: {' '.join(str(e).split())}") from None
+
+
 class Engine:
-    def __init__(self, path: str | Path, name: str | None = None, ctx_cap: int = 4096, max_sessions: int = 4,
-                 max_concurrent: int = 0, batching: bool = True, queue_depth: int = 32,
-                 numerics: str = "exact", reasoning_budget: int = 0, device=None, kv_dtype: str = "auto",
-                 idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, host_budget: HostBudget | None = None,
-                 blob_key: bytes | None = None):
+    def __init__(self, config: ModelConfig, settings: Settings | None = None, *, device=None,
+                 host_budget: HostBudget | None = None, blob_key: bytes | None = None):
+        """Load `config`'s model (on `device`: a die, a mesh, or the default device) under the
+        serve's `settings` (default: Settings(), no environment read). host_budget: the host tier
+        for idle sessions (default: the process's); blob_key: seals exported session blobs."""
         t0 = time.perf_counter()
-        self.path = Path(path)
+        settings = settings or Settings()
+        self.config = config
+        self.path = Path(config.path)
         self.gguf: GGUFFile = open_gguf(self.path)
         self.spec: ModelSpec = spec_from_gguf(self.gguf)
-        self.name = name or self.path.name.removesuffix(".gguf")
-        try:  # tokenizer and chat template problems refuse the file, before anything touches the device
-            self.tokenizer = Tokenizer.from_gguf(self.gguf)
-            # A base model's file may hold no chat template: it serves raw completions only
-            # (/v1/completions, `generate --raw`); chat turns get a 400 that says so.
-            self.template = None
-            if self.gguf.metadata.get("tokenizer.chat_template"):
-                self.template = ChatTemplate.from_gguf(self.gguf, self.tokenizer)
-                self.template.probe()
-        except GGUFError:
-            raise
-        except ValueError as e:  # incl. ChatTemplateError
-            raise GGUFError(f"{self.path}: {' '.join(str(e).split())}") from None
+        self.name = config.name or self.path.name.removesuffix(".gguf")
+        self.tokenizer, self.template = text_of(self.gguf, self.path)
         self.think = think_mode(self.template.source if self.template else None)
-        self.ctx_configured = ctx_cap if ctx_cap > 0 else self.spec.ctx_train
+        self.ctx_configured = config.ctx_cap if config.ctx_cap > 0 else self.spec.ctx_train
         self.ctx = min(self.ctx_configured, self.spec.ctx_train)
         if isinstance(self.spec, ModelSpec):  # LongRoPE takes its factors by the context served
             self.spec = self.spec.for_context(self.ctx)
-        self.reasoning_budget = reasoning_budget
-        self.max_concurrent_configured = max_concurrent or max_sessions
+        self.reasoning_budget = config.reasoning_budget
+        self.max_concurrent_configured = config.max_concurrent_configured
         # Without the batch scheduler: one generation at a time and no queue (the single-user path).
-        self.max_concurrent_served = self.max_concurrent_configured if batching else 1
-        self.max_sessions = max_sessions
-        n_slots = max(max_sessions, self.max_concurrent_served)
+        self.max_concurrent_served = self.max_concurrent_configured if settings.batching else 1
+        self.max_sessions = config.max_sessions
+        n_slots = max(self.max_sessions, self.max_concurrent_served)
         family = family_of(self.spec)
         if hasattr(device, "devices") and device.size > 1 and not family.can_truncate:
             raise ValueError("the hybrid model runs on one die (its sharding is not built yet)")
-        self.numerics = family.numerics_for(self.gguf, self.spec, numerics)
+        self.numerics = family.numerics_for(self.gguf, self.spec, config.numerics)
         self.registry = GraphRegistry()
         self.device = device
         self.dtype = compute_dtype(backend_of(device))  # bf16 on a GPU, f32 on the CPU (model/dtypes.py)
         params = family.load_params(self.gguf, self.spec, dtype=self.dtype, device=device, numerics=self.numerics)
-        self.kv_dtype = kv_cache_dtype(backend_of(device), kv_dtype, numerics)  # CPU: f16 (f32 llamacpp); GPU: bf16
+        # CPU: f16 (f32 llamacpp); GPU: bf16
+        self.kv_dtype = kv_cache_dtype(backend_of(device), config.kv_dtype, config.numerics)
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device,
                                   dtype=self.kv_dtype)
         # Idle sessions move to host memory (the process-wide PN_SESSION_HOST_BYTES budget) rather
         # than lock the model out or lose their KV; see pantheon/engine/sessions.py.
-        self.table = SlotTable(n_slots, max_sessions, can_truncate=family.can_truncate, idle_ttl_s=idle_ttl_s,
-                               watch_grace_s=watch_grace_s, spill=self._spill_slot, fill=self._fill_slot,
-                               spill_bytes=self._spill_nbytes,
+        self.table = SlotTable(n_slots, self.max_sessions, can_truncate=family.can_truncate,
+                               idle_ttl_s=settings.idle_ttl_s, watch_grace_s=settings.watch_grace_s,
+                               spill=self._spill_slot, fill=self._fill_slot, spill_bytes=self._spill_nbytes,
                                host=host_budget or process_host_budget(session_host_bytes()))
         devices = list(device.devices.flat) if hasattr(device, "devices") else [device] if device is not None else []
         self.ladder = MemoryLadder(devices=devices)
-        self.scheduler = Scheduler(self, self.runner, self.table, queue_depth if batching else 0)
+        self.scheduler = Scheduler(self, self.runner, self.table, settings.queue_depth if settings.batching else 0)
         self.load_s = time.perf_counter() - t0
         self.weight_bytes = params_nbytes(params)
         self.kv_bytes = self.runner.cache.nbytes

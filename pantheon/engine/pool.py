@@ -13,7 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from pantheon.config import ENV_HOST_MEMORY, MAX_MODEL_DIES, EngineEnv, ModelConfig, host_memory_cap
+from pantheon.config import ENV_HOST_MEMORY, MAX_MODEL_DIES, ModelConfig, Settings, host_memory_cap
 from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes, release_free_memory
@@ -92,7 +92,9 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
 
 
 class ModelPool:
-    def __init__(self):
+    def __init__(self, settings: Settings | None = None):
+        # read once, when the serve starts: every model it loads (at start or by /admin) shares them
+        self.settings = settings or Settings.from_env()
         self._entries: dict[str, ModelEntry] = {}
         self._lock = threading.Lock()  # guards _entries
         self._upload = threading.Lock()  # one model upload in flight at a time
@@ -174,13 +176,7 @@ class ModelPool:
         try:
             with self._upload:
                 device = placement(config.dies)
-                env = EngineEnv.from_env()
-                entry.engine = Engine(config.path, config.name, ctx_cap=config.ctx_cap,
-                                      max_sessions=config.max_sessions, max_concurrent=config.max_concurrent,
-                                      batching=env.batching, queue_depth=env.queue_depth,
-                                      numerics=config.numerics, reasoning_budget=config.reasoning_budget,
-                                      kv_dtype=config.kv_dtype,
-                                      device=device, idle_ttl_s=env.idle_ttl_s, watch_grace_s=env.watch_grace_s)
+                entry.engine = Engine(config, self.settings, device=device)
                 import jax
 
                 if jax.process_count() > 1 and jax.process_index() == 0:  # engine/distributed.py
@@ -188,7 +184,7 @@ class ModelPool:
 
                     entry.engine.runner.mirror = StepChannel()
                 entry.engine.start()
-                if env.warm_up:
+                if self.settings.warm_up:
                     entry.engine.warm_up()
             entry.state = READY
             return None

@@ -28,7 +28,7 @@ from pantheon.model.numerics import Numerics
 from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import export_slot, import_slot, slot_layout
-from pantheon.model.step import full_step
+from pantheon.model.step import StepInputs, full_step
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 # Prefill is compute-bound: padding costs its full share (SmolLM2 on 2 cores: 16 tokens 54-66 ms,
@@ -52,12 +52,11 @@ def graph_class(kind: str, program: str, batch: int) -> str:
 
 @partial(jax.jit, static_argnames=("forward", "spec", "numerics", "kv_len", "want_top"),
          donate_argnames=("state", "sampler_state"))
-def full_step_and_sample(params, state, tokens, positions, slots, logit_index, sampler_state, batch, *, forward,
-                         spec, numerics, kv_len: int, want_top: bool):
+def full_step_and_sample(params, state, inputs: StepInputs, sampler_state, batch, *, forward, spec, numerics,
+                         kv_len: int, want_top: bool):
     """The full decode step (model/step.py) with the sampler inlined: one program from token ids to
     sampled ids (the logits never leave it). Returns (SampleOutput, state, sampler_state)."""
-    logits, state = full_step(params, state, tokens, positions, slots, logit_index, forward=forward, spec=spec,
-                              numerics=numerics, kv_len=kv_len)
+    logits, state = full_step(params, state, inputs, forward=forward, spec=spec, numerics=numerics, kv_len=kv_len)
     out, sampler_state = sample(logits, sampler_state, batch, want_top=want_top)
     return out, state, sampler_state
 
@@ -169,25 +168,21 @@ class ModelRunner:
         # kernels.program_kv_len) — so no identical executable is built twice.
         bucket = (batch, chunk) + ((static["all_logits"], static.get("hidden", False)) if name == "head" else
                                    (static["kv_len"],) if "kv_len" in static else ())
-        return GraphKey(kind, graph_class(kind, name, batch), bucket, layer if name not in ("embed", "head") else -1,
-                        name)
+        return GraphKey(kind, graph_class(kind, name, batch), bucket, layer, name)
 
-    def _forward(self, kind: str, tokens, positions, slots, logit_index, kv_len: int, all_logits=False,
-                 hidden=False):
-        batch, chunk = tokens.shape
-        seen: dict[str, int] = {}
+    def _forward(self, kind: str, inputs: StepInputs, kv_len: int, all_logits=False, hidden=False):
+        batch, chunk = inputs.tokens.shape
         # An injected `step` fault fails this forward at its second layer, after the first layer
         # has already donated and replaced its buffers: the case the failure handling must survive.
         faulted = FAULTS.take("step")
 
-        def call(name, fn, args, static):
-            layer = seen[name] = seen.get(name, -1) + 1  # the i-th call of a per-layer program
+        def call(name, layer, fn, args, static):
             if faulted and layer == 1:
                 raise InjectedFault(f"injected device step failure ({kind}, layer program {name!r})")
             key = self._program_key(kind, name, layer, batch, chunk, static)
             return self.registry.call(key, fn, args, static)
 
-        logits, self.cache = self.family.forward(self.params, self.cache, tokens, positions, slots, logit_index,
+        logits, self.cache = self.family.forward(self.params, self.cache, inputs,
                                                  spec=self.spec, numerics=self.numerics, kv_len=kv_len,
                                                  all_logits=all_logits, hidden=hidden, call=call)
         return logits
@@ -207,17 +202,15 @@ class ModelRunner:
             if chunk > self.ctx:
                 break
             progress(f"prefill chunk {chunk}")
-            seen: dict[str, int] = {}
 
-            def call(name, fn, args, static, chunk=chunk):
-                layer = seen[name] = seen.get(name, -1) + 1
+            def call(name, layer, fn, args, static, chunk=chunk):
                 key = self._program_key("prefill", name, layer, 1, chunk, static)
                 self.registry.precompile(key, fn, args, static)
                 return jax.eval_shape(lambda *a: fn(*a, **static), *args)
 
             i32 = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
             one = jax.ShapeDtypeStruct((1,), jnp.int32)
-            self.family.forward(shapes(self.params), cache, i32, i32, one, one, spec=self.spec,
+            self.family.forward(shapes(self.params), cache, StepInputs(i32, i32, one, one), spec=self.spec,
                                 numerics=self.numerics, kv_len=self.kv_bucket(chunk), all_logits=False, call=call)
         progress("sampler")
         sampling = SlotSampling(SamplingParams(), np.zeros(2, np.uint32))
@@ -248,8 +241,8 @@ class ModelRunner:
             ids = np.zeros((1, t), np.int32)
             ids[0, :n] = chunk
             positions = (pos + np.arange(t, dtype=np.int32))[None]
-            logits = self._forward("prefill", ids, positions, np.array([slot], np.int32),
-                                   np.array([n - 1], np.int32), self.kv_bucket(pos + n), all_logits, hidden)
+            inputs = StepInputs(ids, positions, np.array([slot], np.int32), np.array([n - 1], np.int32))
+            logits = self._forward("prefill", inputs, self.kv_bucket(pos + n), all_logits, hidden)
             outs.append(logits[0, :n] if all_logits or hidden else logits[0])
             pos += n
         return jnp.concatenate(outs) if all_logits or hidden else outs[-1]
@@ -265,25 +258,25 @@ class ModelRunner:
         Runs the full-step program of the batch bucket (the `segment` class) where it is available,
         else the per-layer programs: while a layer's KV is on the host, when the compile failed (it
         is retried on the registry's backoff), or for a step an injected `step` fault targets."""
-        ids, pos, rows, logit_index = self._decode_inputs(slots, tokens, positions)
+        inputs = self._decode_inputs(slots, tokens, positions)
         if self._full_step_ok(mask=None):
-            args = (self.params, self.cache, ids, pos, rows, logit_index)
-            step = self._full_step_executable(GraphKey("decode", "segment", (len(rows),), program="step"), full_step,
+            args = (self.params, self.cache, inputs)
+            step = self._full_step_executable(GraphKey("decode", "segment", (len(inputs.slots),), program="step"), full_step,
                                               args, self._step_static())
             if step is not None:
                 logits, self.cache = step(*args)
                 return logits
-        return self._forward("decode", ids, pos, rows, logit_index, self.kv_bucket(max(positions) + 1))
+        return self._forward("decode", inputs, self.kv_bucket(max(positions) + 1))
 
-    def _decode_inputs(self, slots, tokens, positions):
-        """(ids [b, 1], positions [b, 1], rows [b], logit_index [b]) padded to the batch bucket."""
+    def _decode_inputs(self, slots, tokens, positions) -> StepInputs:
+        """One token a row (ids and positions [b, 1], rows [b], logit_index [b]), padded to the batch bucket."""
         n = len(slots)
         b = bucket_for(n, DECODE_BUCKETS)
         ids = np.zeros((b, 1), np.int32)
         pos = np.zeros((b, 1), np.int32)
         rows = np.full(b, self.scratch, np.int32)
         ids[:n, 0], pos[:n, 0], rows[:n] = tokens, positions, slots
-        return ids, pos, rows, np.zeros(b, np.int32)
+        return StepInputs(ids, pos, rows, np.zeros(b, np.int32))
 
     def _full_step_ok(self, mask) -> bool:
         """Whether this step may run a full-step program: not while a layer's KV is on the host, a
@@ -319,10 +312,10 @@ class ModelRunner:
 
     def _step_sample_program(self, d: "DecodeWork") -> tuple[GraphKey, tuple, dict]:
         """(key, args, static) of the full step with the sampler inlined for d's rows (no mask)."""
-        ids, pos, rows, logit_index = self._decode_inputs(d.slots, d.tokens, d.positions)
-        batch, want_top = self._sampling_batch(len(rows), d.slots, d.sampling, d.forced, None, advance=False)
-        args = (self.params, self.cache, ids, pos, rows, logit_index, self.sampler_state, batch)
-        key = GraphKey("decode", "segment", (len(rows), want_top), program="step_sample")
+        inputs = self._decode_inputs(d.slots, d.tokens, d.positions)
+        batch, want_top = self._sampling_batch(len(inputs.slots), d.slots, d.sampling, d.forced, None, advance=False)
+        args = (self.params, self.cache, inputs, self.sampler_state, batch)
+        key = GraphKey("decode", "segment", (len(inputs.slots), want_top), program="step_sample")
         return key, args, dict(self._step_static(), want_top=want_top)
 
     @_mirrored

@@ -15,7 +15,6 @@ the graph registry (the default just calls it). Attention runs through pantheon.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from pantheon.model.numerics import Numerics
 from pantheon.native.qmatmul import QMatrix, embed_rows
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache
+from pantheon.model.step import LayerCall, StepInputs, direct
 
 
 @partial(jax.jit, static_argnames=("spec", "by_column"))
@@ -162,22 +162,18 @@ def block_kernels(spec: ModelSpec, cache: KVCache, t: int) -> kern.Kernels:
     return kern.choose(kern.attention_modes(t, spec.head_dim, cache.k[0].shape), cache.k[0].dtype)
 
 
-def _direct(name: str, fn: Callable, args: tuple, static: dict):
-    return fn(*args, **static)
-
-
-def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, spec: ModelSpec,
-            numerics: Numerics, kv_len: int, all_logits: bool = False, hidden: bool = False,
-            call: Callable = _direct):
-    """tokens, positions: int32 [B, T]; slots: int32 [B]; logit_index: int32 [B], the position in T
-    whose logits are returned (the last real token of each row). kv_len: static number of cache
-    positions attended, >= max(positions) + 1. numerics: activation rounding (numerics.py).
+def forward(params, cache: KVCache, inputs: StepInputs, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
+            all_logits: bool = False, hidden: bool = False, call: LayerCall = direct):
+    """inputs: the rows (step.StepInputs). kv_len: static number of cache positions attended,
+    >= max(positions) + 1. numerics: activation rounding (numerics.py). call: how each program runs
+    (step.LayerCall: the runner's registry, or directly).
 
     Returns (logits [B, V] — or [B, T, V] when all_logits, the final-normed hidden states [B, T, E]
     when hidden — and the updated cache). The cache's
     per-layer buffers are donated and replaced in `cache`'s own lists as each layer runs."""
+    tokens, positions, slots, logit_index = inputs
     tied = "embed" not in params  # the embedding is the head [E, V] (weights.load_params)
-    x = call("embed", embed, (params["head"] if tied else params["embed"], tokens), dict(spec=spec, by_column=tied))
+    x = call("embed", -1, embed, (params["head"] if tied else params["embed"], tokens), dict(spec=spec, by_column=tied))
     # The cache's per-layer lists are updated in place, layer by layer: if a later layer fails,
     # the caller's cache still names every live buffer (the donated ones are already replaced).
     ks, vs = cache.k, cache.v
@@ -192,11 +188,11 @@ def forward(params, cache: KVCache, tokens, positions, slots, logit_index, *, sp
     for i, w in enumerate(params["layers"]):
         swa = bool(spec.swa_layers) and spec.swa_layers[i]
         if isinstance(ks[i], np.ndarray):  # this layer's KV lives on the host
-            q, k, v = call("attn_project", attn_project, (w, x, positions), dict(plain, swa=True) if swa else plain)
+            q, k, v = call("attn_project", i, attn_project, (w, x, positions), dict(plain, swa=True) if swa else plain)
             attn = host_attend(q, k, v, ks[i], vs[i], positions, slots, spec.swa_window if swa else 0)
-            x = call("attn_tail", attn_tail, (w, x, attn), plain)
+            x = call("attn_tail", i, attn_tail, (w, x, attn), plain)
         else:
-            x, ks[i], vs[i] = call("block", block, (w, ks[i], vs[i], x, positions, slots), windowed if swa else static)
-    logits = call("head", head, (params["head"], params["output_norm"], x, logit_index),
+            x, ks[i], vs[i] = call("block", i, block, (w, ks[i], vs[i], x, positions, slots), windowed if swa else static)
+    logits = call("head", -1, head, (params["head"], params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
     return logits, KVCache(ks, vs)

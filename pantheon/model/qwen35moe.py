@@ -7,7 +7,7 @@ of the reference data (shared/reference/qwen35moe), section numbers below refer 
 
 Like llama.py, a step is a chain of compiled programs: `embed`, one `attn_block` or `ssm_block`
 per layer (one executable per layer kind, shared by all layers of that kind), and `head`;
-`forward` chains them and routes each through `call(name, fn, args, static)`.
+`forward` chains them and routes each through `call(name, layer, fn, args, static)` (step.LayerCall).
 
 Recurrent state rules (the runner relies on them):
 * a row whose first position is 0 starts a new sequence: its conv and delta-rule state are zeroed
@@ -32,7 +32,6 @@ quantized matrix loads as arithmetic.IntBlocks and multiplies in llama.cpp's int
 from __future__ import annotations
 
 from functools import partial, wraps
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +47,7 @@ from pantheon.gguf.arithmetic import IntBlocks, int_linear, quantize_activations
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
 from pantheon.model.state import HybridState, allocate_hybrid_state
+from pantheon.model.step import LayerCall, StepInputs, direct
 from pantheon.model.weights import load_tensor
 from pantheon.pallas import dispatch
 from pantheon.pallas.deltanet import kernel_supports
@@ -369,19 +369,15 @@ def _moe_supported(w) -> bool:
     return all(p.qs.size < 2 ** 31 for p in w.values() if isinstance(p, Q3KPlanes))
 
 
-def _direct(name: str, fn: Callable, args: tuple, static: dict):
-    return fn(*args, **static)
-
-
-def forward(params, state: HybridState, tokens, positions, slots, logit_index, *, spec: HybridSpec,
-            numerics: Numerics, kv_len: int, all_logits: bool = False, hidden: bool = False,
-            call: Callable = _direct):
-    """tokens, positions: int32 [B, T]; slots: int32 [B]; logit_index: int32 [B] = n_valid - 1 of each
-    row (later tokens are padding). kv_len: static number of cache positions attended, >= max valid
+def forward(params, state: HybridState, inputs: StepInputs, *, spec: HybridSpec, numerics: Numerics, kv_len: int,
+            all_logits: bool = False, hidden: bool = False, call: LayerCall = direct):
+    """inputs: the rows (step.StepInputs); logit_index must be n_valid - 1 of each row (later tokens
+    are padding). kv_len: static number of cache positions attended, >= max valid
     position + 1. Returns (logits [B, V], or [B, T, V] with all_logits, or the final-normed hidden
     states [B, T, E] with hidden, and the new state). The
     state's buffers are donated: use the returned state."""
-    x = call("embed", embed, (params["embed"], tokens), {})
+    tokens, positions, slots, logit_index = inputs
+    x = call("embed", -1, embed, (params["embed"], tokens), {})
     # Updated in place, layer by layer, so that a failure mid-forward leaves `state` naming every
     # live buffer (see llama.forward).
     ks, vs, convs, ssms = state.k, state.v, state.conv, state.ssm
@@ -389,16 +385,16 @@ def forward(params, state: HybridState, tokens, positions, slots, logit_index, *
     ia = ir = 0  # index into the attention / DeltaNet state lists
     for i, w in enumerate(params["layers"]):
         if spec.recurrent[i]:
-            x, convs[ir], ssms[ir] = call("ssm_block", ssm_block, (w, convs[ir], ssms[ir], x, positions, slots,
+            x, convs[ir], ssms[ir] = call("ssm_block", i, ssm_block, (w, convs[ir], ssms[ir], x, positions, slots,
                                                                    logit_index),
                                           dict(spec=spec, numerics=numerics, kernels=kernels["ssm_block"]))
             ir += 1
         else:
-            x, ks[ia], vs[ia] = call("attn_block", attn_block, (w, ks[ia], vs[ia], x, positions, slots),
+            x, ks[ia], vs[ia] = call("attn_block", i, attn_block, (w, ks[ia], vs[ia], x, positions, slots),
                                      dict(spec=spec, numerics=numerics, kernels=kernels["attn_block"],
                                           kv_len=kern.program_kv_len(kernels["attn_block"], kv_len, state.ctx)))
             ia += 1
     table = params.get("output", params["embed"])
-    logits = call("head", head, (table, params["output_norm"], x, logit_index),
+    logits = call("head", -1, head, (table, params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
     return logits, HybridState(ks, vs, convs, ssms, ctx=state.ctx)

@@ -109,7 +109,7 @@ def test_bytes_per_device_survives_buffers_donated_by_a_running_step(tmp_path):
     deleted')."""
     from pantheon.engine.engine import Engine
 
-    engine = Engine(write_tiny_llama(tmp_path / "m.gguf"), ctx_cap=64, max_sessions=1)
+    engine = Engine(ModelConfig(str(write_tiny_llama(tmp_path / "m.gguf")), ctx_cap=64, max_sessions=1))
     before = engine.bytes_per_device()
     assert sum(before.values()) == params_nbytes(engine.runner.params) + engine.runner.cache.nbytes + sum(
         a.nbytes for a in jax.tree_util.tree_leaves(engine.runner.sampler_state))
@@ -127,7 +127,7 @@ def test_the_kv_cache_is_charged_in_its_type(tmp_path, kv_dtype, itemsize):
                 - estimate_device_bytes(str(path), 64, 0, kv_dtype=kv_dtype))
     spec = spec_from_gguf(open_gguf(path))
     assert per_slot == 2 * spec.n_layer * 64 * spec.n_head_kv * spec.head_dim * itemsize
-    engine = Engine(path, ctx_cap=64, max_sessions=1, kv_dtype=kv_dtype)
+    engine = Engine(ModelConfig(str(path), ctx_cap=64, max_sessions=1, kv_dtype=kv_dtype))
     try:
         assert engine.kv_bytes == 2 * per_slot  # one session and the scratch slot
         assert engine.runner.cache.k[0].dtype.itemsize == itemsize

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from pantheon.config import ModelConfig
 from pantheon.engine.engine import Engine
 from pantheon.engine.events import ChoiceEnd, Delta, GenerationRequest, RequestEnd
 from pantheon.engine.sampler import SamplingParams
@@ -17,8 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, logprobs=True)
 
 @pytest.fixture(scope="module")
 def engine(qwen35moe_f32_gguf):
-    return Engine(qwen35moe_f32_gguf, ctx_cap=256, max_sessions=2,
-                  max_concurrent=2)
+    return Engine(ModelConfig(str(qwen35moe_f32_gguf), ctx_cap=256, max_sessions=2, max_concurrent=2))
 
 
 @pytest.fixture(scope="module")

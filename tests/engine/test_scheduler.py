@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from pantheon.config import ModelConfig
 from pantheon.engine.engine import Engine
 from pantheon.engine.events import Admitted, Delta, RequestEnd, RequestError
 from pantheon.engine.events import GenerationRequest
@@ -25,7 +26,7 @@ NO_END = ((0, -100.0), (2, -100.0))  # the tiny vocabulary's end-of-generation i
 def engine(tmp_path_factory):
     path = write_tiny_llama(tmp_path_factory.mktemp("sched") / "tiny.gguf",
                             extra_metadata={"llama.context_length": 4096})
-    eng = Engine(path, "tiny", ctx_cap=4096, max_sessions=4)
+    eng = Engine(ModelConfig(str(path), "tiny", ctx_cap=4096, max_sessions=4))
     eng.start()
     yield eng
     eng.stop()

@@ -279,12 +279,13 @@ def test_a_restore_parked_on_the_host_is_private_and_a_fresh_prefill_clears_the_
 # ---- through a real engine: the runner's export_slot / import_slot as spill / fill ------------------
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
 def one_slot_engine(request, tmp_path_factory):
+    from pantheon.config import ModelConfig
     from pantheon.engine.engine import Engine
     from tests.fixtures.tiny_models import write_tiny_llama
 
     path = (write_tiny_llama(tmp_path_factory.mktemp("tier") / "tiny.gguf", seed=5) if request.param == "dense"
             else request.getfixturevalue("qwen35moe_f32_gguf"))
-    return Engine(path, ctx_cap=128, max_sessions=1, max_concurrent=1, host_budget=HostBudget(1 << 30))
+    return Engine(ModelConfig(str(path), ctx_cap=128, max_sessions=1, max_concurrent=1), host_budget=HostBudget(1 << 30))
 
 
 def test_a_session_moved_to_the_host_exports_the_same_bytes_and_resumes_token_identically(one_slot_engine):

@@ -30,6 +30,7 @@ from pantheon.model import llama, qwen35moe
 from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import spec_from_gguf
+from pantheon.model.step import StepInputs
 from pantheon.model.weights import params_nbytes
 from pantheon.pallas import attention, dispatch, moe, moe_q3k
 from pantheon.pallas.moe_q3k import PLANE_BYTES, Q3KPlanes
@@ -212,9 +213,10 @@ def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
         assert isinstance(params["layers"][0]["exp_down"], Q3KPlanes) is (planes and roles is None)
         state = qwen35moe.allocate_state(spec, n_slots=1, ctx=CTX)
         toks = np.array([PROMPTS[0] + [0] * 4], np.int32)
-        out, _ = qwen35moe.forward(params, state, toks, np.arange(16, dtype=np.int32)[None], np.zeros(1, np.int32),
-                                   np.array([len(PROMPTS[0]) - 1], np.int32), spec=spec, numerics=Numerics("exact"),
-                                   kv_len=CTX, all_logits=True)
+        inputs = StepInputs(toks, np.arange(16, dtype=np.int32)[None], np.zeros(1, np.int32),
+                            np.array([len(PROMPTS[0]) - 1], np.int32))
+        out, _ = qwen35moe.forward(params, state, inputs, spec=spec, numerics=Numerics("exact"), kv_len=CTX,
+                                   all_logits=True)
         return np.asarray(out)[0, :len(PROMPTS[0])], params
 
     planes, params = logits(tiny_q3k)

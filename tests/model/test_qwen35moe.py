@@ -31,6 +31,7 @@ from pantheon.model.layers import grouped_experts
 from pantheon.gguf.arithmetic import IntBlocks
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import HybridSpec, spec_from_gguf
+from pantheon.model.step import StepInputs
 from pantheon.pallas.moe_q3k import Q3KPlanes
 from tests.fixtures.tiny_qwen35moe import ARCH, Q3K_SHAPES, Q, write_tiny_qwen35moe
 
@@ -62,13 +63,13 @@ def run(m: Model, state, rows, slots, starts, t, calls=None):
         pos[b] = starts[b] + np.arange(t)
     last = np.array([len(toks) - 1 for toks in rows], np.int32)
 
-    def call(name, fn, args, static):
+    def call(name, layer, fn, args, static):
         if calls is not None:
             calls.append(name)
         return fn(*args, **static)
 
-    logits, state = qwen35moe.forward(m.params, state, ids, pos, np.asarray(slots, np.int32), last, spec=m.spec,
-                                      numerics=EXACT, kv_len=KV, all_logits=True, call=call)
+    logits, state = qwen35moe.forward(m.params, state, StepInputs(ids, pos, np.asarray(slots, np.int32), last),
+                                      spec=m.spec, numerics=EXACT, kv_len=KV, all_logits=True, call=call)
     return np.asarray(logits), state
 
 
@@ -162,8 +163,8 @@ def _llamacpp_run(path, ref):
     for b, toks in enumerate(rows):
         ids[b, :len(toks)] = toks
     last = np.array([len(t) - 1 for t in rows], np.int32)
-    logits, _ = qwen35moe.forward(params, state, ids, pos, np.arange(len(rows), dtype=np.int32), last, spec=spec,
-                                  numerics=num, kv_len=KV, all_logits=True)
+    logits, _ = qwen35moe.forward(params, state, StepInputs(ids, pos, np.arange(len(rows), dtype=np.int32), last),
+                                  spec=spec, numerics=num, kv_len=KV, all_logits=True)
     logits = np.asarray(logits)
     return {name: logits[i, :len(toks)] for i, (name, toks) in enumerate(ref["seqs"].items())}, params
 
