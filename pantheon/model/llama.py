@@ -110,13 +110,13 @@ def _gemma_tail(w, x, spec: ModelSpec, num: Numerics):
     return x + rms_norm(linear(act, w["w_down"], num.scheme("w_down")), w["ffn_post_norm"], spec.rms_eps)
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels", "swa"),
-         donate_argnames=("k_cache", "v_cache"))
-def block(w, k_cache, v_cache, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
-          kernels: kern.Kernels, swa: bool = False):
-    """One transformer block. x: [B, T, E]; k_cache/v_cache: this layer's [slots+1, C, K, D];
+@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels", "swa"), donate_argnames=("kv",))
+def block(w, kv, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int, kernels: kern.Kernels,
+          swa: bool = False):
+    """One transformer block. x: [B, T, E]; kv: this layer's (k_cache, v_cache), each [slots+1, C, K, D];
     positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions.
     kernels: the attention kernel's mode (`block_kernels`). swa: a sliding-window layer (gemma3)."""
+    k_cache, v_cache = kv
     q, k, v = _project(w, x, positions, spec, numerics, swa)
     # Write this chunk's keys/values at their absolute positions, then attend over the first kv_len.
     # Positions past the cache (padding of a final chunk) are dropped.
@@ -192,7 +192,8 @@ def forward(params, cache: KVCache, inputs: StepInputs, *, spec: ModelSpec, nume
             attn = host_attend(q, k, v, ks[i], vs[i], positions, slots, spec.swa_window if swa else 0)
             x = call("attn_tail", i, attn_tail, (w, x, attn), plain)
         else:
-            x, ks[i], vs[i] = call("block", i, block, (w, ks[i], vs[i], x, positions, slots), windowed if swa else static)
+            x, ks[i], vs[i] = call("block", i, block, (w, (ks[i], vs[i]), x, positions, slots),
+                                   windowed if swa else static)
     logits = call("head", -1, head, (params["head"], params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
     return logits, KVCache(ks, vs)

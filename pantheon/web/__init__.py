@@ -20,7 +20,7 @@ from pantheon.config import ServeConfig, session_key
 from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backend, configure_jax
 from pantheon.engine.events import failure_message
 from pantheon.engine.pool import ModelPool, PoolError
-from pantheon.web.errors import ApiError, answer_unknown_routes, error_response, request_class
+from pantheon.web.errors import ApiError, answer_unknown_routes, error_response, request_class, type_of
 from pantheon.web.observe import note
 from pantheon.web.response_store import ResponseStore
 
@@ -155,6 +155,17 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
 
     app.request_class = request_class(state.body_limit)
     app.config["MAX_CONTENT_LENGTH"] = state.config.max_body_bytes
+    _lifecycle(app, state, load_models)
+    _guard(app, state)
+    _health(app, state)
+    _error_handlers(app, state)
+    answer_unknown_routes(app)
+    return app
+
+
+def _lifecycle(app: Quart, state: ServerState, load_models: bool) -> None:
+    """Start-up (drain handlers, JAX, the models' loads in the background, router registration) and
+    shut-down (drain, then free the pool)."""
 
     @app.before_serving
     async def start_loading():
@@ -183,6 +194,12 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         await drain(state, 5.0 if state.shutting_down else DRAIN_S)  # deregisters from a router first
         uninstall_drain(state)
         await asyncio.to_thread(state.pool.close)
+
+
+def _guard(app: Quart, state: ServerState) -> None:
+    """Every request: CORS preflights, the admin token on operator routes, the API key elsewhere;
+    the contract's headers on every response."""
+    from pantheon.web import dashboard
 
     @app.before_request
     async def preflight():
@@ -215,6 +232,8 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         response.headers["Connection"] = "close"
         return response
 
+
+def _health(app: Quart, state: ServerState) -> None:
     @app.route("/", methods=["GET"])
     @app.route("/health", methods=["GET"])
     async def health():
@@ -228,6 +247,11 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
             body["load_errors"] = state.load_errors
         return body
 
+
+def _error_handlers(app: Quart, state: ServerState) -> None:
+    """Every failure in the contract's error shape: ApiError and PoolError as they say, Quart's own
+    refusals (413, a body timeout), and anything else as a 500 whose body says what failed."""
+
     @app.errorhandler(ApiError)
     async def api_error(e: ApiError):
         return error_response(e.status, e.type, e.message, e.headers, **e.fields)
@@ -236,7 +260,6 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
     async def pool_error(e: PoolError):
         return error_response(e.status, e.type, e.message)
 
-    answer_unknown_routes(app)
 
     @app.errorhandler(413)
     async def too_large(_):
@@ -253,16 +276,13 @@ def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Q
         # Quart's own refusals (a body timeout, a bad request it parsed) in the contract's shape,
         # not the generic 500 below that an unregistered HTTPException would otherwise reach.
         status = e.code or 500
-        type_ = {408: "request_timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
-        return error_response(status, type_, e.description or e.name)
+        return error_response(status, type_of(status), e.description or e.name)
 
     @app.errorhandler(Exception)
     async def server_error(e: Exception):
         # The body says what failed in words and carries the id; the log has the exception.
         message = failure_message(log, "internal error", e, f"{request.method} {request.path}")
         return error_response(500, "server_error", message)
-
-    return app
 
 
 def admin_authorized(header: str | None, token: str) -> bool:

@@ -16,9 +16,9 @@ from quart import Blueprint, current_app, request
 from pantheon.engine.chat import PlanError, count_prompt_tokens, plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web.chat_request import ChatRequest, function_tools, joined_text, sampling_fields
-from pantheon.web.errors import anthropic_error_body, invalid, json_body
+from pantheon.web.errors import anthropic_error_body, invalid, json_body, status_of
 from pantheon.web import sse
-from pantheon.web.generation import STATUS, Choice, collect_one, plan_and_submit
+from pantheon.web.generation import Choice, collect_one, plan_and_submit
 
 bp = Blueprint("anthropic", __name__)
 
@@ -197,30 +197,60 @@ def _event(name: str, payload: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
+class MessageBlocks:
+    """The content blocks of one streamed message as Anthropic's events: one block open at a time
+    (content_block_start, its deltas, content_block_stop)."""
+
+    def __init__(self):
+        self.index, self.open_kind = -1, None
+
+    def close(self) -> bytes:
+        if self.open_kind is None:
+            return b""
+        out = self.delta({"type": "signature_delta", "signature": ""}) if self.open_kind == "thinking" else b""
+        self.open_kind = None
+        return out + _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def start(self, kind: str, block: dict) -> bytes:
+        out = self.close()
+        self.index, self.open_kind = self.index + 1, kind
+        return out + _event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                    "content_block": block})
+
+    def delta(self, payload: dict) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": payload})
+
+    def add(self, ev: Delta) -> bytes:
+        """One engine Delta: thinking, then text, then tool_use blocks and their input."""
+        out = b""
+        if ev.reasoning:
+            if self.open_kind != "thinking":
+                out += self.start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out += self.delta({"type": "thinking_delta", "thinking": ev.reasoning})
+        if ev.content and (self.open_kind == "text" or ev.content.strip() or not ev.tool_calls):
+            if self.open_kind != "text":
+                out += self.start("text", {"type": "text", "text": ""})
+            out += self.delta({"type": "text_delta", "text": ev.content})
+        for entry in ev.tool_calls:
+            fn = entry.get("function", {})
+            if "id" in entry:
+                out += self.start("tool_use", {"type": "tool_use", "id": entry["id"], "name": fn.get("name", ""),
+                                               "input": {}})
+            if fn.get("arguments"):
+                out += self.delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+        return out
+
+    def finish(self) -> bytes:
+        """Close the last block; a message with none gets an empty text block."""
+        opened = b"" if self.index >= 0 else self.start("text", {"type": "text", "text": ""})
+        return opened + self.close()
+
+
 async def _stream(message: dict, events, prompt_tokens: int):
     """message_start, then one content block at a time (thinking, text, tool_use: each opened by
     content_block_start, filled by its deltas, closed by content_block_stop), message_delta with
     the stop reason and usage, message_stop."""
-    index, open_kind, end = -1, None, None
-
-    def close() -> bytes:
-        nonlocal open_kind
-        if open_kind is None:
-            return b""
-        out = delta({"type": "signature_delta", "signature": ""}) if open_kind == "thinking" else b""
-        open_kind = None
-        return out + _event("content_block_stop", {"type": "content_block_stop", "index": index})
-
-    def start(kind: str, block: dict) -> bytes:
-        nonlocal index, open_kind
-        out = close()
-        index, open_kind = index + 1, kind
-        return out + _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": block})
-
-    def delta(payload: dict) -> bytes:
-        return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": payload})
-
+    blocks, end = MessageBlocks(), None
     # The prompt's length is known now; how much of it the cache held is told in message_delta.
     usage0 = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
               "cache_creation_input_tokens": 0}
@@ -230,35 +260,19 @@ async def _stream(message: dict, events, prompt_tokens: int):
     try:
         async for ev in events:
             if isinstance(ev, Delta):
-                out = b""
-                if ev.reasoning:
-                    if open_kind != "thinking":
-                        out += start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                    out += delta({"type": "thinking_delta", "thinking": ev.reasoning})
-                if ev.content and (open_kind == "text" or ev.content.strip() or not ev.tool_calls):
-                    if open_kind != "text":
-                        out += start("text", {"type": "text", "text": ""})
-                    out += delta({"type": "text_delta", "text": ev.content})
-                for entry in ev.tool_calls:
-                    fn = entry.get("function", {})
-                    if "id" in entry:
-                        out += start("tool_use", {"type": "tool_use", "id": entry["id"], "name": fn.get("name", ""),
-                                                  "input": {}})
-                    if fn.get("arguments"):
-                        out += delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+                out = blocks.add(ev)
                 if out:
                     yield out
             elif isinstance(ev, ChoiceEnd):
                 end = ev
             elif isinstance(ev, RequestEnd):
                 reason, sequence = _stop_reason(end)
-                opened = b"" if index >= 0 else start("text", {"type": "text", "text": ""})  # never no block
-                yield opened + close() + _event("message_delta", {"type": "message_delta",
-                                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                         "usage": _usage(ev)}) \
+                stop = {"stop_reason": reason, "stop_sequence": sequence}
+                yield blocks.finish() + _event("message_delta", {"type": "message_delta", "delta": stop,
+                                                                 "usage": _usage(ev)}) \
                     + _event("message_stop", {"type": "message_stop"})
             elif isinstance(ev, RequestError):
-                yield close() + _event("error", anthropic_error_body(STATUS.get(ev.type, 500), ev.message))
+                yield blocks.close() + _event("error", anthropic_error_body(status_of(ev.type), ev.message))
                 return
     finally:
         await events.aclose()

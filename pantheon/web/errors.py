@@ -73,6 +73,22 @@ def request_class(limit_for: Callable[[str], int | None]) -> type[LimitedRequest
     return type("AppRequest", (LimitedRequest,), {"limit_for": staticmethod(limit_for)})
 
 
+# The one table of statuses: an engine refusal's type -> its HTTP status (anything else an engine
+# reports mid-generation is a 500), and a bare HTTP status -> the contract's error type.
+STATUS = {"context_over_budget": 422, "server_busy": 429, "model_at_session_capacity": 429}
+TYPE_OF_STATUS = {408: "request_timeout"}
+
+
+def status_of(type_: str) -> int:
+    """The HTTP status of an engine RequestError's type."""
+    return STATUS.get(type_, 500)
+
+
+def type_of(status: int) -> str:
+    """The contract's error type for a bare HTTP status (Quart's own refusals)."""
+    return TYPE_OF_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
 class ApiError(Exception):
     """Raised anywhere in a route; rendered by the app's error handler."""
 

@@ -16,18 +16,15 @@ from quart import current_app
 from pantheon.engine.chat import ChatPlan, PlanError, PromptOverBudget
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError, failure_message
 from pantheon.engine.scheduler import BusyError, MemoryConstrained
-from pantheon.web.errors import ApiError, invalid
+from pantheon.web.errors import ApiError, invalid, status_of
 from pantheon.web.observe import current_record, mark, note, observe_events
 
 log = logging.getLogger(__name__)
 
-STATUS = {"context_over_budget": 422, "server_busy": 429, "model_at_session_capacity": 429}
-
-
 def raise_for(err: RequestError):
     """An engine RequestError as the HTTP error it stands for."""
     retry = err.fields.get("retry_after")
-    raise ApiError(STATUS.get(err.type, 500), err.type, err.message,
+    raise ApiError(status_of(err.type), err.type, err.message,
                    {"Retry-After": str(retry)} if retry is not None else None,
                    **{k: err.fields[k] for k in ("kv_used", "kv_cap") if k in err.fields})
 

@@ -16,8 +16,8 @@ from pantheon.engine.chat import plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, sampling_fields
-from pantheon.web.errors import ApiError, invalid, json_body
-from pantheon.web.generation import STATUS, collect_one, plan_and_submit
+from pantheon.web.errors import ApiError, invalid, json_body, status_of
+from pantheon.web.generation import collect_one, plan_and_submit
 
 bp = Blueprint("native", __name__)
 
@@ -211,7 +211,7 @@ async def _stream(engine, chat: ChatRequest, body: dict, events):
             elif isinstance(ev, RequestEnd):
                 yield sse.event(_final(engine, chat, body, "", [], choice_end, ev, 0))
             elif isinstance(ev, RequestError):
-                yield sse.event({"error": {"code": STATUS.get(ev.type, 500), "message": ev.message, "type": ev.type}})
+                yield sse.event({"error": {"code": status_of(ev.type), "message": ev.message, "type": ev.type}})
                 return
     finally:
         await events.aclose()

@@ -258,113 +258,127 @@ async def delete_response(response_id: str):
     return {"id": response_id, "object": "response", "deleted": True}
 
 
+class ResponseEvents:
+    """The output items of one streamed response, as Responses events (SSE frames): each item opens
+    (output_item.added), takes its deltas, and closes (its .done events, output_item.done) when the
+    next one opens or the response ends."""
+
+    def __init__(self):
+        self.seq = 0
+        self.output: list[dict] = []  # the closed items
+        self.choice = Choice(0)  # the whole answer, for the kept conversation
+        self.current: dict | None = None  # the open item: {"kind", "item", "text"}
+        self.pending = ""  # whitespace before any item: a message only if no tool call follows
+
+    def event(self, kind: str, **payload) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **payload}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+    def _open(self, kind: str, item: dict) -> bytes:
+        out = self.close()
+        self.current = {"kind": kind, "item": item, "text": ""}
+        i = len(self.output)
+        out += self.event("response.output_item.added", output_index=i, item=item)
+        if kind == "message":
+            out += self.event("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                              part=_text_part(""))
+        return out
+
+    def _open_kind(self, kind: str) -> bool:
+        return self.current is not None and self.current["kind"] == kind
+
+    def close(self) -> bytes:
+        """Close the open item, if any."""
+        if self.current is None:
+            return b""
+        kind, item, text, i = self.current["kind"], self.current["item"], self.current["text"], len(self.output)
+        if kind == "message":
+            done = _message_item(item["id"], text)
+            out = self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                             text=text, logprobs=[])
+            out += self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                              part=_text_part(text))
+        elif kind == "reasoning":
+            done = _reasoning_item(item["id"], text)
+            out = self.event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                             text=text)
+        else:
+            done = _call_item(item["call_id"], item["name"], text)
+            out = self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                             name=item["name"], arguments=text)
+        self.output.append(done)
+        self.current = None
+        return out + self.event("response.output_item.done", output_index=i, item=done)
+
+    def _grow(self, kind: str, text: str, **fields) -> bytes:
+        """Append to the open item, with its delta event."""
+        self.current["text"] += text
+        return self.event(kind, item_id=self.current["item"]["id"], output_index=len(self.output), **fields)
+
+    def text(self, text: str) -> bytes:
+        out = b"" if self._open_kind("message") else self._open("message", _message_item(f"msg_{_hex()}", None,
+                                                                                           "in_progress"))
+        return out + self._grow("response.output_text.delta", text, content_index=0, delta=text, logprobs=[])
+
+    def delta(self, ev: Delta) -> bytes:
+        """One engine Delta: reasoning, then content, then tool-call pieces."""
+        out = b""
+        self.choice.reasoning += ev.reasoning
+        self.choice.content += ev.content
+        if ev.reasoning:
+            if not self._open_kind("reasoning"):
+                out += self._open("reasoning", _reasoning_item(f"rs_{_hex()}", "", "in_progress"))
+            out += self._grow("response.reasoning_text.delta", ev.reasoning, content_index=0, delta=ev.reasoning)
+        if ev.content:
+            if not self._open_kind("message") and not (self.pending + ev.content).strip():
+                self.pending += ev.content  # held: a message, or the space before a tool call
+            else:
+                out += self.text(self.pending + ev.content)
+                self.pending = ""
+        merge_tool_deltas(self.choice.tool_calls, ev.tool_calls)  # the kept conversation's calls
+        for entry in ev.tool_calls:
+            fn = entry.get("function", {})
+            if "id" in entry:
+                self.pending = ""
+                out += self._open("function_call", _call_item(entry["id"], fn.get("name", ""), "", "in_progress"))
+            if fn.get("arguments") and self._open_kind("function_call"):
+                out += self._grow("response.function_call_arguments.delta", fn["arguments"], delta=fn["arguments"])
+        return out
+
+    def finish(self) -> bytes:
+        """The end: what is held becomes a message (never a response with no output), all closed."""
+        out = b""
+        if self.pending or not self.output and self.current is None:
+            out += self.text(self.pending)
+        return out + self.close()
+
+
 async def _stream(kept: ResponseStore, meta: dict, chat: ChatRequest, ctx: dict, events, engine):
     """The documented event sequence: response.created and .in_progress, then each output item in
     turn (output_item.added, its content's deltas and .done events, output_item.done), then
     response.completed (.incomplete at max_output_tokens; .failed on an engine error)."""
-    seq = 0
-    output: list[dict] = []
-    choice = Choice(0)
-    current: dict | None = None  # the open item: {"kind", "item", "text"}
-    pending = ""  # whitespace before any item: a message only if no tool call follows
-
-    def event(kind: str, **payload) -> bytes:
-        nonlocal seq
-        seq += 1
-        data = {"type": kind, "sequence_number": seq - 1, **payload}
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-    def index() -> int:
-        return len(output)
-
-    def open_item(kind: str, item: dict) -> bytes:
-        nonlocal current
-        out = close()
-        current = {"kind": kind, "item": item, "text": ""}
-        out += event("response.output_item.added", output_index=index(), item=item)
-        if kind == "message":
-            out += event("response.content_part.added", item_id=item["id"], output_index=index(), content_index=0,
-                         part=_text_part(""))
-        return out
-
-    def close() -> bytes:
-        nonlocal current
-        if current is None:
-            return b""
-        kind, item, text, i = current["kind"], current["item"], current["text"], index()
-        if kind == "message":
-            done = _message_item(item["id"], text)
-            out = event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=text,
-                        logprobs=[])
-            out += event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
-                         part=_text_part(text))
-        elif kind == "reasoning":
-            done = _reasoning_item(item["id"], text)
-            out = event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0, text=text)
-        else:
-            done = _call_item(item["call_id"], item["name"], text)
-            out = event("response.function_call_arguments.done", item_id=item["id"], output_index=i, name=item["name"],
-                        arguments=text)
-        output.append(done)
-        current = None
-        return out + event("response.output_item.done", output_index=i, item=done)
-
-    def text_delta(text: str) -> bytes:
-        out = b""
-        if current is None or current["kind"] != "message":
-            out += open_item("message", _message_item(f"msg_{_hex()}", None, "in_progress"))
-        current["text"] += text
-        return out + event("response.output_text.delta", item_id=current["item"]["id"], output_index=index(),
-                           content_index=0, delta=text, logprobs=[])
-
+    s = ResponseEvents()
     head = _response(meta, ctx["echo"], "in_progress", [])
-    yield event("response.created", response=head) + event("response.in_progress", response=head)
+    yield s.event("response.created", response=head) + s.event("response.in_progress", response=head)
     try:
         async for ev in events:
             if isinstance(ev, Delta):
-                out = b""
-                choice.reasoning += ev.reasoning
-                choice.content += ev.content
-                if ev.reasoning:
-                    if current is None or current["kind"] != "reasoning":
-                        out += open_item("reasoning", _reasoning_item(f"rs_{_hex()}", "", "in_progress"))
-                    current["text"] += ev.reasoning
-                    out += event("response.reasoning_text.delta", item_id=current["item"]["id"], output_index=index(),
-                                 content_index=0, delta=ev.reasoning)
-                if ev.content:
-                    if (current is None or current["kind"] != "message") and not (pending + ev.content).strip():
-                        pending += ev.content  # held: a message, or the space before a tool call
-                    else:
-                        out += text_delta(pending + ev.content)
-                        pending = ""
-                merge_tool_deltas(choice.tool_calls, ev.tool_calls)  # the kept conversation's calls
-                for entry in ev.tool_calls:
-                    fn = entry.get("function", {})
-                    if "id" in entry:
-                        pending = ""
-                        call = _call_item(entry["id"], fn.get("name", ""), "", "in_progress")
-                        out += open_item("function_call", call)
-                    if fn.get("arguments") and current is not None and current["kind"] == "function_call":
-                        current["text"] += fn["arguments"]
-                        out += event("response.function_call_arguments.delta", item_id=current["item"]["id"],
-                                     output_index=index(), delta=fn["arguments"])
+                out = s.delta(ev)
                 if out:
                     yield out
             elif isinstance(ev, ChoiceEnd):
-                choice.end = ev
+                s.choice.end = ev
             elif isinstance(ev, RequestEnd):
-                out = b""
-                if pending or not output and current is None:  # never a response with no output
-                    out += text_delta(pending)
-                out += close()
-                status = "incomplete" if choice.finish_reason == "length" else "completed"
-                final = _response(meta, ctx["echo"], status, output, _usage(ev, _reasoning_tokens(engine, choice)))
-                _keep(kept, meta, chat, ctx, choice, final)
-                yield out + event(f"response.{status}", response=final)
+                out = s.finish()
+                status = "incomplete" if s.choice.finish_reason == "length" else "completed"
+                final = _response(meta, ctx["echo"], status, s.output, _usage(ev, _reasoning_tokens(engine, s.choice)))
+                _keep(kept, meta, chat, ctx, s.choice, final)
+                yield out + s.event(f"response.{status}", response=final)
             elif isinstance(ev, RequestError):
-                failed = _response(meta, ctx["echo"], "failed", output,
-                                   error={"code": ev.type, "message": ev.message})
-                yield close() + event("response.failed", response=failed)
+                error = {"code": ev.type, "message": ev.message}
+                failed = _response(meta, ctx["echo"], "failed", s.output, error=error)
+                yield s.close() + s.event("response.failed", response=failed)
                 return
     finally:
         await events.aclose()
