@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from jax.profiler import TraceAnnotation
@@ -338,26 +338,33 @@ class Scheduler:
 
     # ---- postprocess ------------------------------------------------------------------------------------
     def postprocess(self, plan: Plan, out: StepOutput) -> None:
+        policy = self._token_policy()
         seq = plan.prefill
         if seq is not None:
             seq.prefill_at += len(plan.chunk)
             seq.history.extend(plan.chunk)
             if out.prefill is not None:
-                self._accept(seq, out.prefill, 0)
+                self._accept(seq, out.prefill, 0, policy)
         for s in plan.decode:
             s.history.append(s.last)
             s.last = None
         for i, s in enumerate(plan.decode):
-            self._accept(s, out.decode, i)
+            self._accept(s, out.decode, i, policy)
 
-    def _accept(self, seq: Sequence, out, row: int) -> None:
+    def _token_policy(self) -> TokenPolicy:
+        """This step's per-token rules: the memory ladder's window bounds running sequences as it
+        bounds new prompts (under pressure a sequence that reaches it ends with "length")."""
+        window = self.engine.effective_ctx
+        return self.policy if window == self.policy.ctx else replace(self.policy, ctx=window)
+
+    def _accept(self, seq: Sequence, out, row: int, policy: TokenPolicy) -> None:
         if seq not in self.running:  # its request failed earlier in this step
             return
         t0 = time.perf_counter()
         try:
             top = ([(int(a), float(b)) for a, b in zip(out.top_ids[row], out.top_logprobs[row])]
                    if seq.params.logprobs else [])
-            outcome: Outcome = seq.accept(int(out.tokens[row]), float(out.logprob[row]), top, self.policy)
+            outcome: Outcome = seq.accept(int(out.tokens[row]), float(out.logprob[row]), top, policy)
         except Exception as e:  # noqa: BLE001 - a fault in one choice's text handling fails that request
             return self._fail(seq.state, server_error("generation failed while handling a token", e))
         finally:

@@ -24,7 +24,8 @@ class TokenPolicy:
 
     eog_ids: frozenset[int]
     force_close: tuple[int, ...]  # the tokens of "</think>\n\n", forced when the reasoning budget is spent
-    ctx: int  # the cache window: a sequence whose next token would not fit ends with "length"
+    ctx: int  # the window: a sequence whose next token would not fit ends with "length" (the ladder may
+    # shrink it under memory pressure: Scheduler._token_policy)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from pantheon.config import ModelConfig
 from pantheon.engine.engine import Engine
-from pantheon.engine.events import Admitted, Delta, RequestEnd, RequestError
+from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.engine.events import GenerationRequest
 from pantheon.faults import FAULTS
 from pantheon.engine.sampler import SamplingParams
@@ -197,3 +197,27 @@ def test_hostile_sampling_values_are_clamped_into_device_range():
     assert s.top_k == 1000 and s.top_p == 1.0 and 0 < s.temperature <= 1e4
     assert s.presence_penalty == 2.0 and s.frequency_penalty == 0.0 and s.top_logprobs == 20
     assert s.logit_bias == ((5, 100.0),)
+
+
+@pytest.mark.parametrize("pressure", [False, True], ids=["ok", "pressure"])
+def test_the_ladders_window_bounds_a_running_sequence(engine, pressure):
+    """Memory pressure halves the window (4096 -> 2048) for running sequences as for new prompts: a
+    2100-token prompt admitted before the pressure ends with "length" at its next token instead of
+    running to max_tokens. Without pressure the same request runs its 24 tokens."""
+
+    async def main():
+        events = []
+        try:
+            async for ev in engine.submit(request(prompt_of(2100, 21), max_tokens=24)):
+                events.append(ev)
+                if isinstance(ev, Admitted) and pressure:  # admitted under OK; the prefill is still to run
+                    FAULTS.memory = "pressure"
+        finally:
+            FAULTS.memory = None
+        return events
+
+    assert engine.effective_ctx == 4096
+    events = asyncio.run(main())
+    end = next(ev for ev in events if isinstance(ev, ChoiceEnd))
+    assert end.finish_reason == "length"
+    assert end.completion_tokens == (1 if pressure else 24)
