@@ -166,22 +166,22 @@ class _Prompt:
         return "optional" if self.think and self.kwargs.get("enable_thinking") else "none"
 
 
-def _prompt(engine, chat, kv_cap: int | None) -> _Prompt:
-    """Render and tokenize; with kv_cap, refuse a prompt that cannot fit (len >= kv_cap) as soon as
+def _prompt(engine, chat, window: int | None) -> _Prompt:
+    """Render and tokenize; with window, refuse a prompt that cannot fit (len >= window) as soon as
     that is known: before tokenizing when the rendered text alone is too long, else right after."""
     if getattr(chat, "prompt", None) is not None:  # raw text or ids (the completions API)
         ids = raw_prompt_ids(engine, chat)
         if not ids:
             raise PlanError("the prompt is empty")
-        if kv_cap is not None and len(ids) >= kv_cap:
-            raise PromptOverBudget(len(ids), kv_cap)
+        if window is not None and len(ids) >= window:
+            raise PromptOverBudget(len(ids), window)
         return _Prompt(ids)
     text, kwargs, dialect, specs, tools_on = render_prompt(engine, chat)
-    if kv_cap is not None and (at_least := min_prompt_tokens(engine.tokenizer, text)) >= kv_cap:
-        raise PromptOverBudget(at_least, kv_cap, at_least=True)
+    if window is not None and (at_least := min_prompt_tokens(engine.tokenizer, text)) >= window:
+        raise PromptOverBudget(at_least, window, at_least=True)
     ids = engine.encode_prompt(text)
-    if kv_cap is not None and len(ids) >= kv_cap:
-        raise PromptOverBudget(len(ids), kv_cap)
+    if window is not None and len(ids) >= window:
+        raise PromptOverBudget(len(ids), window)
     think = engine.think
     return _Prompt(ids, kwargs, dialect, specs, tools_on, think, think and text.rstrip().endswith("<think>"))
 
@@ -228,11 +228,11 @@ def _tool_grammar(engine, chat, prompt: _Prompt):
                                                think=prompt.think_rule)
 
 
-def plan_chat(engine, chat, kv_cap: int | None = None) -> ChatPlan:
-    """Render, tokenize and constrain `chat` for `engine`. With kv_cap, a prompt that cannot fit
-    (len >= kv_cap) raises PromptOverBudget as soon as that is known, before any grammar compile. A
+def plan_chat(engine, chat, window: int | None = None) -> ChatPlan:
+    """Render, tokenize and constrain `chat` for `engine`. With window, a prompt that cannot fit
+    (len >= window) raises PromptOverBudget as soon as that is known, before any grammar compile. A
     raw prompt (`chat.prompt`, the completions API) skips the template and tools."""
-    prompt = _prompt(engine, chat, kv_cap)
+    prompt = _prompt(engine, chat, window)
     tools = _tool_grammar(engine, chat, prompt)
     fmt = _response_format(engine, chat.response_format, prompt)
     request = GenerationRequest(

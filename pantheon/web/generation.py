@@ -30,7 +30,7 @@ def raise_for(err: RequestError):
 
 
 async def plan_and_submit(chat, plan_fn):
-    """Resolve `chat.model`, plan the request off the event loop with `plan_fn(engine, chat, kv_cap)`,
+    """Resolve `chat.model`, plan the request off the event loop with `plan_fn(engine, chat, window)`,
     submit it and wait for its slot. Returns (engine, plan, events); `events` yields what follows
     Admitted and must be closed by the caller."""
     state = current_app.pantheon
@@ -39,10 +39,10 @@ async def plan_and_submit(chat, plan_fn):
     try:
         engine = state.resolve(chat.model, chat.session_id)
         note(model=engine.name, session=chat.session_id)
-        kv_cap = engine.effective_ctx
+        window = engine.effective_ctx
         try:
             # Rendering, tokenizing and grammar compiles are CPU work: off the event loop.
-            plan = await asyncio.to_thread(plan_fn, engine, chat, kv_cap)
+            plan = await asyncio.to_thread(plan_fn, engine, chat, window)
         except PlanError as e:
             raise invalid(str(e)) from None
         except RecursionError:  # a schema or message structure too deep to render or compile
