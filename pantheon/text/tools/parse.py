@@ -233,73 +233,82 @@ class ToolCallParser:
             ev._add(ContentDelta(body))
 
     def _process(self, ev: ParseEvents, final: bool) -> None:
-        while True:
-            buf = self._buf
-            if self._mode == _START:
-                body = buf.lstrip()
-                if not final and (not body or (self._think_open.startswith(body)
-                                               and len(body) < len(self._think_open))):
-                    return
-                self._mode = _THINK if body.startswith(self._think_open) else _TEXT
-                continue
-            if self._mode == _THINK:
-                idx = buf.find(self._think_close)
-                if idx < 0:
-                    keep = 0 if final else partial_suffix(buf, (self._think_close,))
-                    self._emit_text(ev, buf[: len(buf) - keep])
-                    self._buf = buf[len(buf) - keep:]
-                    return
-                cut = idx + len(self._think_close)
-                self._emit_text(ev, buf[:cut])
-                self._buf = buf[cut:]
-                self._mode, self._line_start = _TEXT, True
-                continue
-            if self._mode == _TEXT:
-                if not buf:
-                    return
-                start, hold_from = self._scanner_cls.find_start(buf, self._line_start)
-                if start is None:
-                    if final:
-                        hold_from = len(buf)
-                    self._emit_text(ev, buf[:hold_from])
-                    self._buf = buf[hold_from:]
-                    return
-                self._emit_text(ev, buf[:start])
-                self._buf = buf[start:]
-                self._mode = _CALL
-                self._scanner = self.dialect.scanner(set(self.specs))
-                self._inc = None
-                continue
-            # _CALL
-            sc = self._scanner.scan(buf, final)
-            if self.incremental:
-                if sc.status != DONE:
-                    raw0 = sc.partial
-                else:  # a JSON call streams only if it was seen open (one object, not a whole array at once)
-                    raw0 = sc.calls[0] if len(sc.calls) == 1 else None
-                    if raw0 is not None and raw0.is_json and self._inc is None:
-                        raw0 = None
-                self._incremental_progress(ev, raw0)
-            if sc.status == NEED_MORE:
-                if not final:
-                    return
-                sc = unfinished(sc.partial, len(buf), "the output ended inside the call")
-            if sc.status == NOT_CALL:
-                text = buf[: sc.end]
-                self._buf = buf[sc.end:]
-                self._mode = _TEXT
-                self._emit_text(ev, text)
-                continue
-            self._ws_hold = ""  # no whitespace between content and a call
-            self._saw_call_syntax = True
-            if sc.status == DONE:
-                for raw in sc.calls:
-                    self._accept(ev, raw)
-            else:
-                self._reject(sc)
-            self._inc = None
+        """Consume the buffer, mode by mode, as far as it can be decided (all of it when final)."""
+        step = {_START: self._at_start, _THINK: self._in_think, _TEXT: self._in_text, _CALL: self._in_call}
+        while step[self._mode](ev, final):
+            pass
+
+    # Each mode's step: True to go on (the mode or the buffer changed), False to wait for more text.
+    def _at_start(self, ev: ParseEvents, final: bool) -> bool:
+        body = self._buf.lstrip()
+        if not final and (not body or (self._think_open.startswith(body) and len(body) < len(self._think_open))):
+            return False
+        self._mode = _THINK if body.startswith(self._think_open) else _TEXT
+        return True
+
+    def _in_think(self, ev: ParseEvents, final: bool) -> bool:
+        buf = self._buf
+        idx = buf.find(self._think_close)
+        if idx < 0:
+            keep = 0 if final else partial_suffix(buf, (self._think_close,))
+            self._emit_text(ev, buf[: len(buf) - keep])
+            self._buf = buf[len(buf) - keep:]
+            return False
+        cut = idx + len(self._think_close)
+        self._emit_text(ev, buf[:cut])
+        self._buf = buf[cut:]
+        self._mode, self._line_start = _TEXT, True
+        return True
+
+    def _in_text(self, ev: ParseEvents, final: bool) -> bool:
+        buf = self._buf
+        if not buf:
+            return False
+        start, hold_from = self._scanner_cls.find_start(buf, self._line_start)
+        if start is None:
+            if final:
+                hold_from = len(buf)
+            self._emit_text(ev, buf[:hold_from])
+            self._buf = buf[hold_from:]
+            return False
+        self._emit_text(ev, buf[:start])
+        self._buf = buf[start:]
+        self._mode = _CALL
+        self._scanner = self.dialect.scanner(set(self.specs))
+        self._inc = None
+        return True
+
+    def _in_call(self, ev: ParseEvents, final: bool) -> bool:
+        buf = self._buf
+        sc = self._scanner.scan(buf, final)
+        if self.incremental:
+            if sc.status != DONE:
+                raw0 = sc.partial
+            else:  # a JSON call streams only if it was seen open (one object, not a whole array at once)
+                raw0 = sc.calls[0] if len(sc.calls) == 1 else None
+                if raw0 is not None and raw0.is_json and self._inc is None:
+                    raw0 = None
+            self._incremental_progress(ev, raw0)
+        if sc.status == NEED_MORE:
+            if not final:
+                return False
+            sc = unfinished(sc.partial, len(buf), "the output ended inside the call")
+        if sc.status == NOT_CALL:
             self._buf = buf[sc.end:]
-            self._mode, self._line_start, self._lstrip = _TEXT, True, True
+            self._mode = _TEXT
+            self._emit_text(ev, buf[: sc.end])
+            return True
+        self._ws_hold = ""  # no whitespace between content and a call
+        self._saw_call_syntax = True
+        if sc.status == DONE:
+            for raw in sc.calls:
+                self._accept(ev, raw)
+        else:
+            self._reject(sc)
+        self._inc = None
+        self._buf = buf[sc.end:]
+        self._mode, self._line_start, self._lstrip = _TEXT, True, True
+        return True
 
     # -- call results ---------------------------------------------------------------------------
     def _error(self, code: str, message: str, function=None, parameter=None, index=None) -> None:
@@ -372,40 +381,43 @@ class ToolCallParser:
         if raw.is_json and raw.json_args is not None:  # the complete call: its parsed arguments
             items = list(raw.json_args.items()) if isinstance(raw.json_args, dict) else []
             if raw.error is None and items[: inc["sent"]] != inc["raw"]:
-                inc["failed"] = True
-                self._error("malformed_call", f"{spec.name}: the arguments changed after they were streamed",
-                            spec.name, None, inc["index"])
+                self._fail(inc, "malformed_call", f"{spec.name}: the arguments changed after they were streamed", None)
                 return
         while inc["sent"] < len(items):
-            key, val = items[inc["sent"]]
-            inc["sent"] += 1
-            inc["raw"].append((key, val))
-            try:
-                typed = self._checker(spec).typed(key, val, is_text=not raw.is_json)
-            except ArgumentError as e:
-                inc["failed"] = True
-                self._error(e.code, e.message, spec.name, e.parameter, inc["index"])
+            if not self._stream_item(ev, inc, *items[inc["sent"]], is_text=not raw.is_json):
                 return
-            if key in inc["args"]:  # a repeated parameter cannot be streamed twice into one object
-                inc["failed"] = True
-                self._error("malformed_call", f"{spec.name}: parameter {key!r} given twice", spec.name, key,
-                            inc["index"])
-                return
-            opened = inc["open"]
-            inc["open"] = None
-            if opened is None:
-                frag = ("{" if not inc["args"] else ", ") + dumps(key) + ": " + dumps(typed)
-            elif opened[0] == key and isinstance(typed, str) and typed.startswith(opened[1]):
-                frag = dumps(typed[len(opened[1]):])[1:-1] + '"'  # the rest of the string streamed so far
-            else:
-                inc["failed"] = True
-                self._error("malformed_call", f"{spec.name}: the value of {opened[0]!r} changed after it was streamed",
-                            spec.name, opened[0], inc["index"])
-                return
-            inc["args"][key] = typed
-            ev._add(ToolCallArgs(inc["index"], frag))
         if raw.open_value is not None:
             self._stream_open_value(ev, inc, *raw.open_value)
+
+    def _stream_item(self, ev: ParseEvents, inc: dict, key: str, val, is_text: bool) -> bool:
+        """Stream one more argument of an incremental call (or the rest of the string value that was
+        streaming open); False when the call fails (reported)."""
+        spec = inc["spec"]
+        inc["sent"] += 1
+        inc["raw"].append((key, val))
+        try:
+            typed = self._checker(spec).typed(key, val, is_text=is_text)
+        except ArgumentError as e:
+            return self._fail(inc, e.code, e.message, e.parameter)
+        if key in inc["args"]:  # a repeated parameter cannot be streamed twice into one object
+            return self._fail(inc, "malformed_call", f"{spec.name}: parameter {key!r} given twice", key)
+        opened = inc["open"]
+        inc["open"] = None
+        if opened is None:
+            frag = ("{" if not inc["args"] else ", ") + dumps(key) + ": " + dumps(typed)
+        elif opened[0] == key and isinstance(typed, str) and typed.startswith(opened[1]):
+            frag = dumps(typed[len(opened[1]):])[1:-1] + '"'  # the rest of the string streamed so far
+        else:
+            return self._fail(inc, "malformed_call",
+                              f"{spec.name}: the value of {opened[0]!r} changed after it was streamed", opened[0])
+        inc["args"][key] = typed
+        ev._add(ToolCallArgs(inc["index"], frag))
+        return True
+
+    def _fail(self, inc: dict, code: str, message: str, parameter) -> bool:
+        inc["failed"] = True
+        self._error(code, message, inc["spec"].name, parameter, inc["index"])
+        return False
 
     def _stream_open_value(self, ev: ParseEvents, inc: dict, key: str, sure: str | None) -> None:
         """A string argument still being written streams as it grows: its key and opening quote,

@@ -138,66 +138,74 @@ class JsonCallProgress:
         self.open_value: tuple[str, str | None] | None = None
 
     def read(self, buf: str) -> None:
-        n = len(buf)
         self.open_value = None
-        while self.stack and not self.dead:
-            top = self.stack[-1]
-            role, pos, delim = top
-            k = skip_ws(buf, pos)
-            if k >= n:
-                return
-            if delim or buf[k] == "}":
-                if buf[k] == "," and delim:
-                    top[1], top[2] = k + 1, False
-                    continue
-                if buf[k] != "}":
-                    self.dead = True
-                    return
-                self.stack.pop()
-                if self.stack:
-                    self.stack[-1][1], self.stack[-1][2] = k + 1, True
-                continue
-            if buf[k] != '"':
+        while self.stack and not self.dead and self._step(buf, self.stack[-1]):
+            pass
+
+    def _step(self, buf: str, top: list) -> bool:
+        """One step in the innermost open object: a separator or its end, else one member. False
+        to wait for more text (or when the text is not a call)."""
+        k = skip_ws(buf, top[1])
+        if k >= len(buf):
+            return False
+        if top[2] or buf[k] == "}":  # after a member (or an empty object)
+            if buf[k] == "," and top[2]:
+                top[1], top[2] = k + 1, False
+                return True
+            if buf[k] != "}":
                 self.dead = True
-                return
-            try:
-                key, e = self._dec.raw_decode(buf, k)
-            except (json.JSONDecodeError, RecursionError):
-                return
-            e = skip_ws(buf, e)
-            if e >= n:
-                return
-            if buf[e] != ":":
-                self.dead = True
-                return
-            v = skip_ws(buf, e + 1)
-            if v >= n:
-                return
-            if role == "call" and buf[v] == "{" and (
-                    key == "function" or (key in ("arguments", "parameters") and not self.args_seen)):
-                if key != "function":
-                    self.args_seen = True
-                top[1], top[2] = v, True  # resumed by the child's closing "}"
-                self.stack.append(["args" if key != "function" else "call", v + 1, False])
-                continue
-            try:
-                val, e = self._dec.raw_decode(buf, v)
-            except (json.JSONDecodeError, RecursionError):
-                if role == "args" and buf[v] == '"':
-                    self.open_value = (key, partial_json_string(buf[v + 1:]))
-                return
-            e2 = skip_ws(buf, e)
-            if e2 >= n:
-                return
-            if buf[e2] not in ",}":
-                self.dead = True
-                return
-            if role == "args":
-                self.params.append((key, val))
-            elif key == "name" or (key == "function" and isinstance(val, str)):
-                if isinstance(val, str) and self.name is None:
-                    self.name = val
-            top[1], top[2] = e, True
+                return False
+            self.stack.pop()
+            if self.stack:
+                self.stack[-1][1], self.stack[-1][2] = k + 1, True
+            return True
+        if buf[k] != '"':
+            self.dead = True
+            return False
+        return self._member(buf, top, k)
+
+    def _member(self, buf: str, top: list, k: int) -> bool:
+        """"key": value at k; a call's function / arguments object is descended into."""
+        n, role = len(buf), top[0]
+        try:
+            key, e = self._dec.raw_decode(buf, k)
+        except (json.JSONDecodeError, RecursionError):
+            return False
+        e = skip_ws(buf, e)
+        if e >= n:
+            return False
+        if buf[e] != ":":
+            self.dead = True
+            return False
+        v = skip_ws(buf, e + 1)
+        if v >= n:
+            return False
+        if role == "call" and buf[v] == "{" and (
+                key == "function" or (key in ("arguments", "parameters") and not self.args_seen)):
+            if key != "function":
+                self.args_seen = True
+            top[1], top[2] = v, True  # resumed by the child's closing "}"
+            self.stack.append(["args" if key != "function" else "call", v + 1, False])
+            return True
+        try:
+            val, e = self._dec.raw_decode(buf, v)
+        except (json.JSONDecodeError, RecursionError):
+            if role == "args" and buf[v] == '"':
+                self.open_value = (key, partial_json_string(buf[v + 1:]))
+            return False
+        e2 = skip_ws(buf, e)
+        if e2 >= n:
+            return False
+        if buf[e2] not in ",}":
+            self.dead = True
+            return False
+        if role == "args":
+            self.params.append((key, val))
+        elif key == "name" or (key == "function" and isinstance(val, str)):
+            if isinstance(val, str) and self.name is None:
+                self.name = val
+        top[1], top[2] = e, True
+        return True
 
     def raw(self, known: set[str]) -> RawCall | None:
         if self.dead or self.name is None or self.name not in known:

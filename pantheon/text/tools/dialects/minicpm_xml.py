@@ -88,54 +88,67 @@ class MiniCpmXmlScanner(Scanner):
                 return self._end(call, n, final, "the output ended inside the call")
             opener = next((p for p in self.P_OPENS if buf.startswith(p, k)), None)
             if opener is not None:
-                close = "</param>" if opener == self.P_OPENS[0] else "</parameter>"
-                q = buf.find('"', k + len(opener))
-                if q < 0:
-                    return self._end(call, n, final, "the output ended inside a <param> tag")
-                key = xml_unescape(buf[k + len(opener):q])
-                gt = skip_ws(buf, q + 1)
-                if gt == n:
-                    return self._end(call, n, final, "the output ended inside a <param> tag", key)
-                if buf[gt] != ">":
-                    return self._malformed(buf, gt, final, "expected '>' after the parameter name", call)
-                vs = gt + 1
-                if buf.startswith(self.CDATA, vs) or (not final and n - vs < len(self.CDATA)
-                                                      and self.CDATA.startswith(buf[vs:])):
-                    if n - vs < len(self.CDATA):
-                        return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
-                    value, j = "", vs
-                    while buf.startswith(self.CDATA, j):  # "]]>" in a value is split across sections
-                        ce = buf.find(self.CDATA_END, j + len(self.CDATA))
-                        if ce < 0:
-                            rest = sure_prefix(buf[j + len(self.CDATA):], (self.CDATA_END,), strip_newlines=False)
-                            call.open_value = (key, value + rest)
-                            return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
-                        value += buf[j + len(self.CDATA):ce]
-                        j = ce + len(self.CDATA_END)
-                    j2 = skip_ws(buf, j)
-                    if buf.startswith(close, j2):
-                        call.params.append((key, value))
-                        k = j2 + len(close)
-                        continue
-                    if j2 == n or close.startswith(buf[j2:]) or self.CDATA.startswith(buf[j2:]):
-                        return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
-                    return self._malformed(buf, j2, final, f"expected {close} after the CDATA value of {key!r}", call)
-                ends = [e for e in (buf.find(close, vs), buf.find(self.FN_CLOSE, vs)) if e >= 0]
-                if not ends:
-                    sure = sure_prefix(buf[vs:], (close, self.FN_CLOSE), strip_newlines=False)
-                    if "&" in sure[sure.rfind(";") + 1:]:  # an entity not complete yet
-                        sure = sure[: sure.rfind("&")]
-                    call.open_value = (key, xml_unescape(sure))
-                    return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
-                e = min(ends)
-                call.params.append((key, xml_unescape(buf[vs:e])))
-                k = e + len(close) if buf.startswith(close, e) else e
+                got = self._parameter(buf, k, opener, call, final)
+                if isinstance(got, Scan):
+                    return got
+                k = got
                 continue
             if buf.startswith(self.FN_CLOSE, k):
                 return Scan(DONE, k + len(self.FN_CLOSE), calls=[call])
             if is_prefix_of_any(buf[k:], self.P_OPENS + (self.FN_CLOSE,)):
                 return self._end(call, n, final, "the output ended inside the call")
             return self._malformed(buf, k, final, "unexpected text inside the call", call)
+
+    def _parameter(self, buf: str, k: int, opener: str, call: RawCall, final: bool) -> int | Scan:
+        """<param name="KEY">VALUE</param> (or <parameter ...>) at k: appended to the call; where the
+        next part starts."""
+        n = len(buf)
+        close = "</param>" if opener == self.P_OPENS[0] else "</parameter>"
+        q = buf.find('"', k + len(opener))
+        if q < 0:
+            return self._end(call, n, final, "the output ended inside a <param> tag")
+        key = xml_unescape(buf[k + len(opener):q])
+        gt = skip_ws(buf, q + 1)
+        if gt == n:
+            return self._end(call, n, final, "the output ended inside a <param> tag", key)
+        if buf[gt] != ">":
+            return self._malformed(buf, gt, final, "expected '>' after the parameter name", call)
+        vs = gt + 1
+        if buf.startswith(self.CDATA, vs) or (not final and n - vs < len(self.CDATA)
+                                              and self.CDATA.startswith(buf[vs:])):
+            return self._cdata_value(buf, vs, key, close, call, final)
+        ends = [e for e in (buf.find(close, vs), buf.find(self.FN_CLOSE, vs)) if e >= 0]
+        if not ends:
+            sure = sure_prefix(buf[vs:], (close, self.FN_CLOSE), strip_newlines=False)
+            if "&" in sure[sure.rfind(";") + 1:]:  # an entity not complete yet
+                sure = sure[: sure.rfind("&")]
+            call.open_value = (key, xml_unescape(sure))
+            return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
+        e = min(ends)
+        call.params.append((key, xml_unescape(buf[vs:e])))
+        return e + len(close) if buf.startswith(close, e) else e
+
+    def _cdata_value(self, buf: str, vs: int, key: str, close: str, call: RawCall, final: bool) -> int | Scan:
+        """A value in CDATA sections from vs, then its close tag."""
+        n = len(buf)
+        if n - vs < len(self.CDATA):
+            return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
+        value, j = "", vs
+        while buf.startswith(self.CDATA, j):  # "]]>" in a value is split across sections
+            ce = buf.find(self.CDATA_END, j + len(self.CDATA))
+            if ce < 0:
+                rest = sure_prefix(buf[j + len(self.CDATA):], (self.CDATA_END,), strip_newlines=False)
+                call.open_value = (key, value + rest)
+                return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
+            value += buf[j + len(self.CDATA):ce]
+            j = ce + len(self.CDATA_END)
+        j2 = skip_ws(buf, j)
+        if buf.startswith(close, j2):
+            call.params.append((key, value))
+            return j2 + len(close)
+        if j2 == n or close.startswith(buf[j2:]) or self.CDATA.startswith(buf[j2:]):
+            return self._end(call, n, final, f"the output ended inside the value of {key!r}", key)
+        return self._malformed(buf, j2, final, f"expected {close} after the CDATA value of {key!r}", call)
 
 
 class MiniCpmXmlDialect(Dialect):

@@ -67,41 +67,35 @@ class QwenXmlScanner(Scanner):
                 if self.BARE.startswith(buf[k:]):
                     return unfinished(None, n, "the output ended inside the call") if final else Scan(NEED_MORE)
                 return self._skip_to_close(buf, k, True, final, "expected <function=NAME> after <tool_call>", None)
-        # <function=NAME>
-        k += len(self.BARE)
+        head = self._function_tag(buf, k + len(self.BARE), wrapped, final)
+        return head if isinstance(head, Scan) else self._scan_body(buf, head[1], head[0], wrapped, final)
+
+    def _function_tag(self, buf: str, k: int, wrapped: bool, final: bool) -> tuple[RawCall, int] | Scan:
+        """NAME> of <function=NAME> from k: the call and where its body starts."""
+        n = len(buf)
         gt = buf.find(">", k)
         if gt < 0:
             if "\n" in buf[k:] or "<" in buf[k:]:
                 return self._skip_to_close(buf, k, wrapped, final, "unterminated <function=...> tag", None)
             return unfinished(None, n, "the output ended inside <function=...>") if final else Scan(NEED_MORE)
         name = buf[k:gt].strip()
-        call = RawCall(name=name)
         if not name or "\n" in name or "<" in name:
             return self._skip_to_close(buf, gt, wrapped, final, "bad function name in <function=...>", None)
-        k = gt + 1
+        return RawCall(name=name), gt + 1
+
+    def _scan_body(self, buf: str, k: int, call: RawCall, wrapped: bool, final: bool) -> Scan:
+        """The parameters from k, up to </function> (and </tool_call>)."""
+        n = len(buf)
         while True:
             k = skip_ws(buf, k)
             if k == n:
                 return unfinished(call, n, "the output ended inside the call") if final \
                     else Scan(NEED_MORE, partial=call)
             if buf.startswith(self.P_OPEN, k):
-                gt = buf.find(">", k + len(self.P_OPEN))
-                if gt < 0:
-                    if "\n" in buf[k:]:
-                        return self._skip_to_close(buf, k, wrapped, final, "unterminated <parameter=...> tag", call)
-                    return unfinished(call, n, "the output ended inside a <parameter=...> tag") if final \
-                        else Scan(NEED_MORE, partial=call)
-                key = buf[k + len(self.P_OPEN):gt].strip()
-                vs = gt + 1
-                ends = [(e, tag) for tag in self.VALUE_ENDS if (e := buf.find(tag, vs)) >= 0]
-                if not ends:
-                    if final:
-                        return unfinished(call, n, f"the output ended inside the value of {key!r}", key)
-                    call.open_value = (key, sure_prefix(buf[vs:], self.VALUE_ENDS, strip_newlines=True))
-                    return Scan(NEED_MORE, partial=call)
-                e, tag = min(ends)
-                call.params.append((key, strip_one_newline(buf[vs:e])))
-                k = e + len(self.P_CLOSE) if tag == self.P_CLOSE else e
+                got = self._parameter(buf, k, call, wrapped, final)
+                if isinstance(got, Scan):
+                    return got
+                k = got
                 continue
             if buf.startswith(self.FN_CLOSE, k):
                 k += len(self.FN_CLOSE)
@@ -119,6 +113,27 @@ class QwenXmlScanner(Scanner):
                 return unfinished(call, n, "the output ended inside the call") if final \
                     else Scan(NEED_MORE, partial=call)
             return self._skip_to_close(buf, k, wrapped, final, "unexpected text inside the call", call)
+
+    def _parameter(self, buf: str, k: int, call: RawCall, wrapped: bool, final: bool) -> int | Scan:
+        """<parameter=KEY> VALUE </parameter> at k: appended to the call; where the next part starts."""
+        n = len(buf)
+        gt = buf.find(">", k + len(self.P_OPEN))
+        if gt < 0:
+            if "\n" in buf[k:]:
+                return self._skip_to_close(buf, k, wrapped, final, "unterminated <parameter=...> tag", call)
+            return unfinished(call, n, "the output ended inside a <parameter=...> tag") if final \
+                else Scan(NEED_MORE, partial=call)
+        key = buf[k + len(self.P_OPEN):gt].strip()
+        vs = gt + 1
+        ends = [(e, tag) for tag in self.VALUE_ENDS if (e := buf.find(tag, vs)) >= 0]
+        if not ends:
+            if final:
+                return unfinished(call, n, f"the output ended inside the value of {key!r}", key)
+            call.open_value = (key, sure_prefix(buf[vs:], self.VALUE_ENDS, strip_newlines=True))
+            return Scan(NEED_MORE, partial=call)
+        e, tag = min(ends)
+        call.params.append((key, strip_one_newline(buf[vs:e])))
+        return e + len(self.P_CLOSE) if tag == self.P_CLOSE else e
 
     def _scan_json_body(self, buf: str, k: int, final: bool) -> Scan:
         got = self.json_calls_at(buf, k, final)
