@@ -143,15 +143,24 @@ HEAVY = frozenset({
 })
 
 
+GPU_MODULES = {"test_lowering.py", "test_gpu_check.py"}  # CUDA lowering and the GPU check's script
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark `slow` every test that starts a real server (through these fixtures or ServerProcess in
     its module), reads a real model, or takes 1.5 s or more (HEAVY): `pytest -m "not slow"` runs the
-    rest, in process."""
+    rest, in process. `server` marks the ones with a real server process, `gpu` the GPU path's
+    (Pallas kernels lowered for CUDA, the GPU check; they run on the CPU)."""
     starts_servers: dict = {}
     for item in items:
         path = Path(str(item.fspath))
         if path not in starts_servers:
             starts_servers[path] = "ServerProcess(" in path.read_text(errors="replace")
-        if (starts_servers[path] or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
-                or item.nodeid in HEAVY):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        server = starts_servers[path] or "smol_server" in fixtures
+        if server:
+            item.add_marker(pytest.mark.server)
+        if path.name in GPU_MODULES or "lower" in item.name:
+            item.add_marker(pytest.mark.gpu)
+        if server or SLOW_FIXTURES & fixtures or item.nodeid in HEAVY:
             item.add_marker(pytest.mark.slow)
