@@ -44,7 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pantheon.engine.graphs import GraphRegistry  # noqa: E402
-from pantheon.engine.runner import ModelRunner, full_step  # noqa: E402
+from pantheon.engine.runner import ModelRunner  # noqa: E402
+from pantheon.model.step import StepInputs, full_step  # noqa: E402
 from pantheon.model import kernels as kern  # noqa: E402
 from pantheon.model import llama, qwen35moe, synthetic  # noqa: E402
 from pantheon.model.family import family_of  # noqa: E402
@@ -89,7 +90,7 @@ def lower_model(name: str, spec, build) -> list[dict]:
     rows = []
     with dispatch.lowering_for("cuda"):
         rows.append(_lower(f"{name}: decode step, batch {BATCH} (segment)", lambda p, s, *a: full_step(
-            p, s, *a, forward=fam.forward, spec=spec, numerics=EXACT, kv_len=CTX),
+            p, s, StepInputs(*a), forward=fam.forward, spec=spec, numerics=EXACT, kv_len=CTX),
             params, state, i32(BATCH, 1), i32(BATCH, 1), i32(BATCH), i32(BATCH)))
         x = jax.ShapeDtypeStruct((1, PREFILL_CHUNK, spec.n_embd), jnp.float32)
         pos, slots = i32(1, PREFILL_CHUNK), i32(1)
@@ -105,8 +106,8 @@ def lower_model(name: str, spec, build) -> list[dict]:
                 ssm_w, state.conv[0], state.ssm[0], x, pos, slots, i32(1)))
         else:
             kernels = llama.block_kernels(spec, state, PREFILL_CHUNK)
-            rows.append(_lower(f"{name}: prefill block, {PREFILL_CHUNK} tokens", lambda *a: llama.block(
-                *a, spec=spec, numerics=EXACT, kv_len=CTX, kernels=kernels),
+            rows.append(_lower(f"{name}: prefill block, {PREFILL_CHUNK} tokens", lambda w, k, v, *a: llama.block(
+                w, (k, v), *a, spec=spec, numerics=EXACT, kv_len=CTX, kernels=kernels),
                 params["layers"][0], state.k[0], state.v[0], x, pos, slots))
     return rows
 
