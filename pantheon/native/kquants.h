@@ -31,11 +31,13 @@ struct SuperBlock {
   float scale[16], min[16];  // per sub-block
 };
 
-// IQ4_NL's and IQ4_XS's table (ggml's kvalues_iq4nl): 4-bit indices (bytes 0..15) -> int8 values.
-inline __m128i iq4_values(__m128i idx) {
-  const __m128i table = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-  return _mm_shuffle_epi8(table, idx);
-}
+// IQ4_NL's and IQ4_XS's table (ggml's kvalues_iq4nl): 4-bit indices -> int8 values.
+alignas(16) inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                     1,    13,   25,  38,  53,  69,  89,  113};
+inline __m128i iq4_table() { return _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)); }
+
+// Indices (bytes 0..15) -> their int8 values.
+inline __m128i iq4_values(__m128i idx) { return _mm_shuffle_epi8(iq4_table(), idx); }
 
 // 16 bytes of IQ4 indices (an IQ4_NL block's, an IQ4_XS sub-block's) -> their 32 int8 values in
 // weight order: the low nibbles are weights 0-15, the high ones 16-31.
@@ -259,19 +261,15 @@ inline void lut_order(bool chunk32, const float* x, float* xp, int64_t rows, int
 }
 
 // A Q4_K super-block's sub-block scales d * sc (lanes 0-7) and mins dmin * mn (lanes 8-15), as
-// codes_k computes them, decoded in registers (k4_scale_bytes' bit layout).
+// codes_k computes them.
 inline __m512 q4k_scales16(const uint8_t* b) {
-  const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // u0, u1, u2 (and 4 bytes of codes)
-  const __m128i m6 = _mm_set1_epi8(0x3f), m4 = _mm_set1_epi8(0x0f), m2 = _mm_set1_epi8(0x03);
-  const __m128i lo = _mm_and_si128(u, m6);  // dword 0: scales 0-3, dword 1: mins 0-3
-  const __m128i u2 = _mm_srlv_epi32(_mm_shuffle_epi32(u, 0xAA), _mm_setr_epi32(0, 4, 0, 0));
-  const __m128i hi = _mm_or_si128(_mm_and_si128(u2, m4), _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u, 6), m2), 4));
-  const __m128i bytes = _mm_unpacklo_epi32(lo, hi);  // scales 0-3, 4-7, mins 0-3, 4-7
+  alignas(16) uint8_t bytes[16];  // scales 0-7, then mins 0-7
+  k4_scale_bytes(b + 4, bytes, bytes + 8);
   const __m512 dm = _mm512_insertf32x8(_mm512_set1_ps(fp16_at(b)), _mm256_set1_ps(fp16_at(b + 2)), 1);
-  return _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+  return _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes)))));
 }
 
-inline __m512 lut_iq4() { return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113); }
+inline __m512 lut_iq4() { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(iq4_table())); }  // the table as f32
 
 // 16 bytes of nibbles (low ones weights 0-15) -> 32 entries of `table` as two vectors, lut order.
 inline void lut_block16(const uint8_t* qs, __m512 table, __m512 c[2]) {
