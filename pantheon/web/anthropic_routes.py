@@ -194,7 +194,7 @@ async def count_tokens():
 
 
 def _event(name: str, payload: dict) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+    return sse.event(payload, name)
 
 
 class MessageBlocks:

@@ -273,7 +273,7 @@ class ResponseEvents:
     def event(self, kind: str, **payload) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **payload}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+        return sse.event(data, kind)
 
     def _open(self, kind: str, item: dict) -> bytes:
         out = self.close()

@@ -9,8 +9,10 @@ from quart import Response
 DONE = b"data: [DONE]\n\n"
 
 
-def event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+def event(payload: dict, name: str | None = None) -> bytes:
+    """One event; `name` gives it an `event:` line (Anthropic's and the Responses API's streams)."""
+    head = f"event: {name}\n".encode() if name else b""
+    return head + b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 def comment(text: str) -> bytes:
