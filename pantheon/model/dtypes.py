@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from pantheon.config import ENV_DTYPE, compute_dtype_name
 from pantheon.pallas.dispatch import GPU_BACKENDS
 
-ENV = ENV_DTYPE
 _NAMES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
@@ -30,7 +29,7 @@ def compute_dtype(backend: str, env: str | None = None):
     if value == "auto":
         return jnp.bfloat16 if backend in GPU_BACKENDS else jnp.float32
     if value not in _NAMES:
-        raise ValueError(f"{ENV}: unknown dtype {value!r} (auto, float32 or bfloat16)")
+        raise ValueError(f"{ENV_DTYPE}: unknown dtype {value!r} (auto, float32 or bfloat16)")
     return _NAMES[value]
 
 

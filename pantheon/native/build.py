@@ -30,7 +30,6 @@ from pantheon.config import ENV_NATIVE, cxx, native_enabled
 
 log = logging.getLogger(__name__)
 
-NATIVE_ENV = ENV_NATIVE
 HERE = Path(__file__).parent
 SOURCES = ("qmatmul.cc", "attention.cc")
 HEADERS = ("common.h", "kquants.h")
@@ -103,7 +102,7 @@ def _build(cxx: str) -> Path:
 
 def _load() -> bool:
     if not native_enabled():
-        _state["reason"] = f"{NATIVE_ENV}=0"
+        _state["reason"] = f"{ENV_NATIVE}=0"
         return False
     if jax.default_backend() != "cpu":
         _state["reason"] = f"backend {jax.default_backend()} (the native kernels are for the CPU)"

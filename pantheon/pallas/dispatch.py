@@ -33,7 +33,6 @@ from pantheon.faults import FAULTS
 KERNELS = ("attention_prefill", "attention_decode", "moe_q3k", "deltanet")
 MODES = ("pallas", "interpret", "reference", "native")
 NATIVE_KERNELS = ("attention_decode",)  # those with a native CPU implementation (pantheon/native)
-ENV = ENV_KERNELS
 GPU_BACKENDS = frozenset({"cuda", "rocm", "gpu"})
 
 
@@ -48,11 +47,11 @@ def _parse(value: str) -> tuple[str | None, dict[str, str]]:
         if not sep:
             name, mode = None, name
         if mode not in MODES:
-            raise ValueError(f"{ENV}: unknown mode {mode!r} in {value!r} (expected one of {', '.join(MODES)})")
+            raise ValueError(f"{ENV_KERNELS}: unknown mode {mode!r} in {value!r} (expected one of {', '.join(MODES)})")
         if name is None:
             default = mode
         elif name not in KERNELS:
-            raise ValueError(f"{ENV}: unknown kernel {name!r} in {value!r} (kernels: {', '.join(KERNELS)})")
+            raise ValueError(f"{ENV_KERNELS}: unknown kernel {name!r} in {value!r} (kernels: {', '.join(KERNELS)})")
         else:
             per[name] = mode
     return default, per
@@ -103,12 +102,12 @@ def kernel_mode(name: str, backend: str | None = None, env: str | None = None) -
         mode = default_mode(backend, name)  # a bare `native` covers the kernels that have one
     if mode == "native":
         if name not in NATIVE_KERNELS:
-            raise ValueError(f"{ENV}: {name} has no native kernel (native: {', '.join(NATIVE_KERNELS)})")
+            raise ValueError(f"{ENV_KERNELS}: {name} has no native kernel (native: {', '.join(NATIVE_KERNELS)})")
         reason = _native_unavailable(backend)
         if reason is not None:
-            raise ValueError(f"{ENV} asks for the native {name} kernel but it is not available here ({reason})")
+            raise ValueError(f"{ENV_KERNELS} asks for the native {name} kernel but it is not available here ({reason})")
     if mode == "pallas" and backend not in GPU_BACKENDS:
-        raise ValueError(f"{ENV} asks for compiled Pallas kernels ({name}) but the backend is {backend!r}; "
+        raise ValueError(f"{ENV_KERNELS} asks for compiled Pallas kernels ({name}) but the backend is {backend!r}; "
                          f"Pallas kernels here lower only for GPU (use 'interpret' or 'reference')")
     return mode
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pantheon.engine.graphs import GraphRegistry
-from pantheon.config import ENV_FULL_STEP
+from pantheon.config import ENV_FULL_STEP, ENV_KERNELS
 from pantheon.engine.runner import ModelRunner
 from pantheon.gguf import open_gguf
 from pantheon.model import kernels as kern
@@ -32,7 +32,7 @@ from pantheon.model.numerics import Numerics
 from pantheon.model.spec import spec_from_gguf
 from pantheon.model.step import StepInputs
 from pantheon.model.weights import params_nbytes
-from pantheon.pallas import attention, dispatch, moe, moe_q3k
+from pantheon.pallas import attention, moe, moe_q3k
 from pantheon.pallas.moe_q3k import PLANE_BYTES, Q3KPlanes
 from tests.fixtures.tiny_models import write_tiny_llama
 from tests.fixtures.tiny_qwen35moe import Q3K_SHAPES, Q, write_tiny_qwen35moe
@@ -78,7 +78,7 @@ class Spy:
 def run_model(path, monkeypatch, mode: str):
     """Prefill PROMPTS into slots 0 and 1 (all logits), then decode STEPS in one batch, under
     PANTHEON_KERNELS=mode. Returns (prefill logits, decode logits [steps, 2, V], {program: kernels})."""
-    monkeypatch.setenv(dispatch.ENV, mode)
+    monkeypatch.setenv(ENV_KERNELS, mode)
     # the per-layer programs, whose static `kernels` the registry sees (the full-step program
     # inlines them: tests/engine/test_full_step.py compares the two)
     monkeypatch.setenv(ENV_FULL_STEP, "0")
@@ -142,7 +142,7 @@ def test_tiny_qwen35moe_q3k_interpreted_kernels_equal_reference(tiny_q3k, monkey
 
 
 def test_kernel_choice_follows_the_environment(monkeypatch):
-    monkeypatch.setenv(dispatch.ENV, "attention_decode=interpret")
+    monkeypatch.setenv(ENV_KERNELS, "attention_decode=interpret")
     assert kern.choose({"attention_decode": True, "moe_q3k": True}) == (("attention_decode", "interpret"),
                                                                          ("moe_q3k", "reference"))
     # shapes a kernel cannot run are recorded (and run) as the reference
@@ -199,7 +199,7 @@ def test_planes_path_equals_float32_path(tiny_q3k, tmp_path, monkeypatch):
     to float32 (layers.grouped_experts), and with planes for gate/up only and a float32 down: one routing
     function (moe.route, SPEC §5) serves all; a fused gate_up file gives the same logits."""
     assert qwen35moe.route is moe.route and not hasattr(qwen35moe, "_route")
-    monkeypatch.setenv(dispatch.ENV, "reference")
+    monkeypatch.setenv(ENV_KERNELS, "reference")
     fused = write_tiny_qwen35moe(tmp_path / "fused.gguf", expert_type=Q.Q3_K, seed=3, n_layer=2,
                                  full_attention_interval=2, fused_gate_up=True, d_state=32, **Q3K_SHAPES)
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 from gguf.constants import GGMLQuantizationType as Q
 
+from pantheon.config import ENV_NATIVE
 from pantheon.gguf.quants import dequantize_np, quantize_np
 from pantheon.native import build
 from pantheon.native.attention import attention_decode
@@ -238,10 +239,10 @@ def test_decode_attention_defaults_to_native_on_the_cpu():
 
 
 def test_disabled_native_kernels_say_why(monkeypatch):
-    monkeypatch.setenv(build.NATIVE_ENV, "0")
+    monkeypatch.setenv(ENV_NATIVE, "0")
     monkeypatch.setattr(build, "_state", {})
     assert not build.available()
-    assert build.unavailable_reason() == f"{build.NATIVE_ENV}=0"
+    assert build.unavailable_reason() == f"{ENV_NATIVE}=0"
     assert dispatch.kernel_mode("attention_decode", "cpu", env="") == "reference"
     with pytest.raises(ValueError, match="PANTHEON_NATIVE=0"):
         dispatch.kernel_mode("attention_decode", "cpu", env="native")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pantheon.config import ENV_KERNELS
 from pantheon.pallas import dispatch
 from pantheon.pallas.deltanet import (gated_delta_rule, gated_delta_rule_reference, gated_delta_rule_step,
                                       gated_delta_rule_step_reference, kernel_supports)
@@ -235,10 +236,10 @@ def test_dispatch_picks_reference_on_cpu_and_interpret_when_forced(rng, monkeypa
     stoks, cache, _, slots = _step_case(rng, 2, h, dk, dv, 4)
     stoks, cache, slots = [jnp.asarray(a) for a in stoks], jnp.asarray(cache), jnp.asarray(slots)
 
-    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.delenv(ENV_KERNELS, raising=False)
     if jax.default_backend() == "cpu":
         assert dispatch.kernel_mode("deltanet") == "reference"
-    monkeypatch.setenv(dispatch.ENV, "deltanet=reference")
+    monkeypatch.setenv(ENV_KERNELS, "deltanet=reference")
     want = gated_delta_rule_reference(*toks, state, lengths)
     got = dispatch.deltanet(*toks, state, lengths)
     assert all(jnp.array_equal(x, y) for x, y in zip(got, want))
@@ -246,19 +247,19 @@ def test_dispatch_picks_reference_on_cpu_and_interpret_when_forced(rng, monkeypa
     got_step = dispatch.deltanet_step(*stoks, cache, slots)
     assert all(jnp.array_equal(x, y) for x, y in zip(got_step, want_step))
 
-    monkeypatch.setenv(dispatch.ENV, "deltanet=interpret")
+    monkeypatch.setenv(ENV_KERNELS, "deltanet=interpret")
     got = dispatch.deltanet(*toks, state, lengths, chunk=16)
     assert max(_err(x, y) for x, y in zip(got, want)) <= F32_TOL, f"seed {rng.seed}"
     got_step = dispatch.deltanet_step(*stoks, cache, slots)
     assert max(_err(x, y) for x, y in zip(got_step, want_step)) <= F32_TOL, f"seed {rng.seed}"
 
-    monkeypatch.setenv(dispatch.ENV, "reference")  # a mode resolved by the caller wins over the env
+    monkeypatch.setenv(ENV_KERNELS, "reference")  # a mode resolved by the caller wins over the env
     got = dispatch.deltanet(*toks, state, lengths, chunk=1, mode="interpret")
     assert max(_err(x, y) for x, y in zip(got, want)) <= F32_TOL, f"seed {rng.seed}"
     with pytest.raises(ValueError, match="unknown mode"):
         dispatch.deltanet_step(*stoks, cache, slots, mode="triton")
 
-    monkeypatch.setenv(dispatch.ENV, "pallas")
+    monkeypatch.setenv(ENV_KERNELS, "pallas")
     with pytest.raises(ValueError, match="backend is 'cpu'"):
         dispatch.deltanet(*toks, state, lengths, backend="cpu")
     with pytest.raises(ValueError, match="backend is 'cpu'"):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from pantheon.config import ENV_KERNELS
 from pantheon.native import build as native_build
 from pantheon.pallas import dispatch, lowering
 from pantheon.pallas.attention import decode_attention, flash_attention
@@ -139,7 +140,7 @@ def test_dispatch_overrides(monkeypatch):
         "attention_prefill": "reference", "attention_decode": "reference", "moe_q3k": "pallas", "deltanet": "reference"}
     assert dispatch.kernel_mode("attention_decode", "cpu", env="attention_decode=interpret") == "interpret"
     assert dispatch.kernel_mode("attention_prefill", "cpu", env="attention_decode=interpret") == "reference"
-    monkeypatch.setenv(dispatch.ENV, "interpret")
+    monkeypatch.setenv(ENV_KERNELS, "interpret")
     assert dispatch.kernel_mode("moe_q3k") == "interpret"
     assert dispatch.kernel_choices()["deltanet"] == "interpret"
     assert dispatch.interpret_flag("interpret") is True and dispatch.interpret_flag("pallas") is False
@@ -176,16 +177,16 @@ def test_dispatch_entry_points(monkeypatch):
               for shape in ((4, 256, 256), (4, 256, 256), (4, 256, 256))]
     x, logits = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32), jnp.asarray(rng.standard_normal((3, 4)))
 
-    monkeypatch.setenv(dispatch.ENV, "reference")
+    monkeypatch.setenv(ENV_KERNELS, "reference")
     assert jnp.array_equal(dispatch.attention_prefill(q, kv, kv, pos), attention_reference(q, kv, kv, pos))
     want = decode_attention_reference(q[:, 0], cache, cache, slots, lengths)
     assert jnp.array_equal(dispatch.attention_decode(q[:, 0], cache, cache, slots, lengths), want)
     assert jnp.array_equal(dispatch.moe_ffn(x, logits, 2, *planes), moe_direct(x, logits, 2, *planes, impl="reference"))
 
-    monkeypatch.setenv(dispatch.ENV, "attention_decode=interpret")
+    monkeypatch.setenv(ENV_KERNELS, "attention_decode=interpret")
     got = dispatch.attention_decode(q[:, 0], cache, cache, slots, lengths)
     assert float(jnp.abs(got - want).max()) <= 5e-5
 
-    monkeypatch.setenv(dispatch.ENV, "pallas")
+    monkeypatch.setenv(ENV_KERNELS, "pallas")
     with pytest.raises(ValueError, match="backend is 'cpu'"):
         dispatch.attention_prefill(q, kv, kv, pos, backend="cpu")
