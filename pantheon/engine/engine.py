@@ -98,7 +98,6 @@ class Engine:
         for idle sessions (default: the process's); blob_key: seals exported session blobs."""
         t0 = time.perf_counter()
         settings = settings or Settings()
-        self.config = config
         self.path = Path(config.path)
         self.gguf: GGUFFile = open_gguf(self.path)
         self.spec: ModelSpec = spec_from_gguf(self.gguf)

@@ -261,8 +261,8 @@ class ModelRunner:
         inputs = self._decode_inputs(slots, tokens, positions)
         if self._full_step_ok(mask=None):
             args = (self.params, self.cache, inputs)
-            step = self._full_step_executable(GraphKey("decode", "segment", (len(inputs.slots),), program="step"), full_step,
-                                              args, self._step_static())
+            key = GraphKey("decode", "segment", (len(inputs.slots),), program="step")
+            step = self._full_step_executable(key, full_step, args, self._step_static())
             if step is not None:
                 logits, self.cache = step(*args)
                 return logits
@@ -401,7 +401,8 @@ class ModelRunner:
         key = GraphKey("sample", "segment", (b, want_top, mask is not None), program="sample")
         return key, (logits, self.sampler_state, batch), dict(want_top=want_top)
 
-    def _sampling_batch(self, b: int, slots, sampling, forced, mask, advance: bool = True) -> tuple[SamplingBatch, bool]:
+    def _sampling_batch(self, b: int, slots, sampling, forced, mask,
+                        advance: bool = True) -> tuple[SamplingBatch, bool]:
         """`sample`'s rows padded to b (the padding samples into the scratch slot), and want_top.
         advance: count this step in each row's PRNG step (the caller does it when it runs)."""
         n = len(slots)

@@ -285,7 +285,8 @@ def one_slot_engine(request, tmp_path_factory):
 
     path = (write_tiny_llama(tmp_path_factory.mktemp("tier") / "tiny.gguf", seed=5) if request.param == "dense"
             else request.getfixturevalue("qwen35moe_f32_gguf"))
-    return Engine(ModelConfig(str(path), ctx_cap=128, max_sessions=1, max_concurrent=1), host_budget=HostBudget(1 << 30))
+    config = ModelConfig(str(path), ctx_cap=128, max_sessions=1, max_concurrent=1)
+    return Engine(config, host_budget=HostBudget(1 << 30))
 
 
 def test_a_session_moved_to_the_host_exports_the_same_bytes_and_resumes_token_identically(one_slot_engine):

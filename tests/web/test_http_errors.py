@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "Hello"}]
@@ -96,17 +97,20 @@ def test_chat_prompt_over_window_streaming_is_422_before_the_stream_opens(http):
     assert err["type"] == "context_over_budget" and err["kv_cap"] == 4096 and err["kv_used"] > 4096
 
 
-def _metric(http, prefix: str) -> float:
-    """The sum of the /metrics samples whose line starts with `prefix`."""
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in http.get("/metrics").text.splitlines() if ln.startswith(prefix))
+def _metric(http, sample: str, **labels) -> float:
+    """The /metrics sample named `sample` with these labels (one must be there)."""
+    found = [s.value for family in text_string_to_metric_families(http.get("/metrics").text)
+             for s in family.samples if s.name == sample and labels.items() <= s.labels.items()]
+    assert len(found) == 1, (sample, labels, found)
+    return found[0]
 
 
 def test_client_disconnect_mid_stream_stops_the_generation(smol_server, http):
     """A client that hangs up after one event cancels its generation: its slot frees and the device
     stops decoding for it, long before the 3000 tokens it asked for (~40 s of decoding here). The
     decode-token counter tells the two apart whatever the machine's speed."""
-    decoded = 'pantheon_engine_tokens_total{model="smol-b",phase="decode"'
-    before = _metric(http, decoded)
+    decoded = dict(sample="pantheon_engine_tokens_total", model="smol-b", phase="decode")
+    before = _metric(http, **decoded)
     with httpx.stream("POST", smol_server.url + CHAT, timeout=60,
                       json={"model": "smol-b", "messages": MSG, "max_tokens": 3000, "stream": True,
                             "temperature": 1.0, "seed": 7,  # sampled: no repetition loop ends it early
@@ -115,11 +119,11 @@ def test_client_disconnect_mid_stream_stops_the_generation(smol_server, http):
             if line.startswith("data: {"):
                 break  # read one event, then hang up
     for _ in range(1200):  # the cancelled request leaves its slot (a guard against a hang, not a timing)
-        if _metric(http, 'pantheon_slots_active{model="smol-b"') == 0:
+        if _metric(http, "pantheon_slots_active", model="smol-b") == 0:
             break
         time.sleep(0.1)
-    assert _metric(http, 'pantheon_slots_active{model="smol-b"') == 0
-    assert _metric(http, decoded) - before < 500, "the generation ran on after the client hung up"
+    assert _metric(http, "pantheon_slots_active", model="smol-b") == 0
+    assert _metric(http, **decoded) - before < 500, "the generation ran on after the client hung up"
     assert http.post(CHAT, json={"model": "smol-b", "messages": MSG, "max_tokens": 1}).status_code == 200
 
 
