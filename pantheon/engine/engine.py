@@ -32,7 +32,7 @@ from pantheon.gguf.reader import GGUFError, GGUFFile, open_gguf
 from pantheon.model.dtypes import backend_of, compute_dtype, kv_cache_dtype, kv_dtype_name
 from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
-from pantheon.model.state import POSITIONAL
+from pantheon.model.state import rewind
 from pantheon.model.weights import params_nbytes
 from pantheon.text.chat_template import ChatTemplate, ChatTemplateError
 from pantheon.text.reasoning import think_mode
@@ -129,6 +129,7 @@ class Engine:
         # Idle sessions move to host memory (the process-wide PN_SESSION_HOST_BYTES budget) rather
         # than lock the model out or lose their KV; see pantheon/engine/sessions.py.
         self.table = SlotTable(n_slots, self.max_sessions, can_truncate=family.can_truncate,
+                               rewind=rewind(self.spec, self.ctx) if family.can_truncate else None,
                                idle_ttl_s=settings.idle_ttl_s, watch_grace_s=settings.watch_grace_s,
                                spill=self._spill_slot, fill=self._fill_slot, spill_bytes=self._spill_nbytes,
                                host=host_budget or process_host_budget(session_host_bytes()))
@@ -348,7 +349,7 @@ class Engine:
     def _fill_slot(self, slot: int, arrays: dict) -> None:
         out = {}
         for k, a in arrays.items():  # a restored blob holds exactly n_tok positions: pad to the tier length
-            if k.split(".")[0] in POSITIONAL and (m := self._tier_len(a.shape[0])) != a.shape[0]:
+            if k in self.runner.positional() and (m := self._tier_len(a.shape[0])) != a.shape[0]:
                 padded = np.zeros((m, *a.shape[1:]), a.dtype)
                 padded[:a.shape[0]] = a
                 a = padded
@@ -368,9 +369,9 @@ class Engine:
     def _spill_nbytes(self, n_tok: int) -> int:
         return self._slot_bytes(self._tier_len(n_tok))
 
-    @staticmethod
-    def _exact(arrays: dict, n_tok: int) -> dict:
-        return {k: a[:n_tok] if k.split(".")[0] in POSITIONAL else a for k, a in arrays.items()}
+    def _exact(self, arrays: dict, n_tok: int) -> dict:
+        by_position = self.runner.positional()
+        return {k: a[:n_tok] if k in by_position else a for k, a in arrays.items()}
 
     # ---- session export / restore (device thread: run through `call`) -------------------------------
     def _single_process(self) -> None:

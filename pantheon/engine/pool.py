@@ -20,6 +20,8 @@ from pantheon.engine.memory import meminfo_bytes, release_free_memory
 from pantheon.gguf.reader import MAX_MESSAGE, GGUFError, clip, open_gguf
 from pantheon.model.dtypes import compute_dtype, itemsize, kv_cache_dtype
 from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
+from pantheon.model.spec import spec_from_gguf
+from pantheon.model.state import layer_lengths
 from pantheon.native import build as native_build
 from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
 
@@ -62,13 +64,20 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int, kv_dtype: str = "au
     kv_heads = meta("attention.head_count_kv", n_head)
     head_dim = meta("attention.key_length", meta("embedding_length", 0) // n_head)
     tensors = {name: (t.shape, t.ggml_type, t.nbytes) for name, t in g.tensors.items()}
+    kv_positions = None
+    if arch in ("gemma3", "mistral"):  # sliding layers hold rings (model/spec.py, model/state.py)
+        try:
+            kv_positions = sum(layer_lengths(spec_from_gguf(g), ctx))
+        except GGUFError:
+            pass  # the load refuses the file with its reason; count the whole context here
     return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots,
                           itemsize(compute_dtype(jax.default_backend())),
-                          itemsize(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)))
+                          itemsize(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)), kv_positions)
 
 
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
-                   n_slots: int, itemsize: int = 4, kv_itemsize: int | None = None) -> int:
+                   n_slots: int, itemsize: int = 4, kv_itemsize: int | None = None,
+                   kv_positions: int | None = None) -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
     routed experts whose role stays Q3_K stay in blocks (qwen35moe.q3k_expert_roles: Q3KPlanes), every
     other matrix is dequantized to the compute dtype (`itemsize` bytes; the few kept f32 are
@@ -76,7 +85,8 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     an f32 dense model on the CPU with the native kernel keeps the matrices the kernel reads in
     their blocks only (weights._load_resident, either numerics); plus KV of
     `kv_itemsize` bytes a value (default: the compute dtype's) for n_slots + the scratch slot (every layer counted, an upper bound for the
-    hybrid's attention-only KV)."""
+    hybrid's attention-only KV); kv_positions: the positions all layers hold together, where
+    sliding layers hold rings (default n_layer * ctx)."""
     q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items()
                            if expert_role(name)) if arch == "qwen35moe" else frozenset()
     resident = arch != "qwen35moe" and itemsize == 4 and native_build.available()
@@ -88,7 +98,8 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
             weights += decode_bytes(kind, nbytes)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)
-    return weights + 2 * n_layer * (n_slots + 1) * ctx * kv_heads * head_dim * (kv_itemsize or itemsize)
+    positions = n_layer * ctx if kv_positions is None else kv_positions
+    return weights + 2 * positions * (n_slots + 1) * kv_heads * head_dim * (kv_itemsize or itemsize)
 
 
 class ModelPool:

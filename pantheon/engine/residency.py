@@ -99,7 +99,7 @@ class AttentionResidency:
         kernel choice their decode programs record, model/kernels.py), or None when a kernel runs
         them: Pallas on a GPU, the native kernel on the CPU."""
         spec, cache = self.runner.spec, self.runner.cache
-        wanted = kern.attention_modes(1, spec.head_dim, tuple(cache.k[0].shape))
+        wanted = kern.attention_modes(1, spec.head_dim, tuple(cache.layer_shape))
         if dict(kern.choose(wanted, self.runner.kv_dtype))[kern.ATTENTION_DECODE] != "reference":
             return None
         return "no_flash_kernels" if all(wanted.values()) else "kv_geometry_or_ring_wrap"

@@ -27,7 +27,7 @@ from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
 from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
-from pantheon.model.state import export_slot, import_slot, slot_layout
+from pantheon.model.state import RING_WRITES, export_slot, import_slot, positional, slot_layout
 from pantheon.model.step import StepInputs, full_step
 
 DECODE_BUCKETS = (1, 2, 4, 8)
@@ -35,6 +35,7 @@ DECODE_BUCKETS = (1, 2, 4, 8)
 # 32: 82-105, 48: 104-109, 64: 128), so short prompts get finer buckets. Each costs one compile.
 RELEASE_AFTER_PROMPT = 1024  # tokens: a prompt this long returns its transient memory when done
 CHUNK_BUCKETS = (16, 32, 48, 64, 96, 128, 256, 512)
+assert CHUNK_BUCKETS[-1] <= RING_WRITES, "a sliding layer's ring holds one chunk's writes beyond its window"
 MIN_KV_BUCKET = 128
 
 
@@ -375,6 +376,10 @@ class ModelRunner:
 
     def slot_layout(self, n_tok: int) -> dict:
         return slot_layout(self.cache, n_tok)
+
+    def positional(self) -> frozenset[str]:
+        """The exported arrays that hold positions 0..n_tok-1 (a ring or a recurrent state: whole rows)."""
+        return positional(self.cache)
 
     # ---- sampling --------------------------------------------------------------------------------
     @_mirrored

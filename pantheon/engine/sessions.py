@@ -109,11 +109,13 @@ class SlotTable:
     def __init__(self, n_slots: int, max_sessions: int, can_truncate: bool = True,
                  idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, max_watches: int = 64,
                  spill: Spill | None = None, fill: Fill | None = None, host: HostBudget | None = None,
-                 spill_bytes: Callable[[int], int] | None = None):
+                 spill_bytes: Callable[[int], int] | None = None, rewind: int | None = None):
         self.slots = [Slot(i) for i in range(n_slots)]
         self.sessions: dict[str, Session] = {}
         self.max_sessions = max_sessions
         self.can_truncate = can_truncate  # attention-only caches can resume from any common prefix
+        # ... within `rewind` positions of the history's end, where sliding layers hold rings (state.rewind)
+        self.rewind = rewind
         self.idle_ttl_s, self.watch_grace_s, self.max_watches = idle_ttl_s, watch_grace_s, max_watches
         self.spill, self.fill = spill, fill
         self.host = host if host is not None else HostBudget(0)
@@ -136,7 +138,8 @@ class SlotTable:
         n = common_prefix(history, prompt)
         if not self.can_truncate:  # recurrent state cannot be rewound: all of the history or nothing
             return n if n == len(history) and n < len(prompt) else 0
-        return min(n, len(prompt) - 1)
+        n = min(n, len(prompt) - 1)
+        return 0 if self.rewind is not None and len(history) - n > self.rewind else n
 
     def _continues(self, history: list[int], prompt: list[int]) -> bool:
         """The prompt carries on this conversation: its whole history is a prefix of the prompt."""

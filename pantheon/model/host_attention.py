@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, slots, window: int = 0) -> np.ndarray:
+def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, slots, window: int = 0,
+                ring: bool = False) -> np.ndarray:
     """q [B, T, H, D], k/v [B, T, K, D] (device or host arrays); caches [slots+1, C, K, D] numpy,
-    updated in place at the rows' positions (positions past C are dropped). Returns [B, T, H, D]."""
+    updated in place at the rows' positions (positions past C are dropped; a ring's, ring=True:
+    position p at p % C). Returns [B, T, H, D]."""
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
     positions, slots = np.asarray(positions), np.asarray(slots)
     b, t, h, d = q.shape
@@ -16,16 +18,17 @@ def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, sl
     out = np.zeros_like(q)
     for row in range(b):
         pos, slot = positions[row], slots[row]
-        keep = pos < ctx
-        k_cache[slot, pos[keep]] = k[row, keep]
-        v_cache[slot, pos[keep]] = v[row, keep]
+        keep = np.ones_like(pos, bool) if ring else pos < ctx
+        k_cache[slot, pos[keep] % ctx] = k[row, keep]
+        v_cache[slot, pos[keep] % ctx] = v[row, keep]
         s = int(pos.max()) + 1 if keep.any() else 0
-        keys, values = k_cache[slot, :s], v_cache[slot, :s]  # [S, K, D]
+        kpos = np.arange(max(s - ctx, 0), s) if ring else np.arange(s)  # the positions the cache holds
+        keys, values = k_cache[slot, kpos % ctx], v_cache[slot, kpos % ctx]  # [S, K, D]
         qg = q[row].reshape(t, n_kv, h // n_kv, d)
         scores = np.einsum("tkgd,skd->tkgs", qg, keys) / np.sqrt(d)
-        visible = np.arange(s)[None, None, None, :] <= pos[:, None, None, None]
+        visible = kpos[None, None, None, :] <= pos[:, None, None, None]
         if window:  # a sliding-window layer: keys less than `window` positions back
-            visible &= pos[:, None, None, None] - np.arange(s)[None, None, None, :] < window
+            visible &= pos[:, None, None, None] - kpos[None, None, None, :] < window
         scores = np.where(visible, scores, -np.inf)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)

@@ -61,7 +61,8 @@ def choose(wanted: dict[str, bool], dtype=jnp.float32) -> Kernels:
     return tuple(sorted((name, mode(name, ok)) for name, ok in wanted.items()))
 
 
-def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels, window: int = 0) -> jax.Array:
+def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels, window: int = 0,
+           ring: bool = False) -> jax.Array:
     """Causal GQA attention of this step's queries against the slot cache (already holding this
     step's keys/values). q: [B, T, H, D]; caches [N_slots, C, K, D]; positions int32 [B, T]
     absolute; slots int32 [B]. Returns [B, T, H, D] in q's dtype.
@@ -69,14 +70,15 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
     T == 1 (decode): dispatch.attention_decode reads each row's slot in place, up to its position
     (the reference gathers the first kv_len positions). Otherwise dispatch.attention_prefill on the
     first kv_len positions of the rows' slots. window > 0 (a sliding-window layer): the jnp path,
-    whose masks take the window (the kernels do not, yet: `windowed` gives such a layer reference modes)."""
+    whose masks take the window (the kernels do not, yet: `windowed` gives such a layer reference modes);
+    ring: the caches are a sliding layer's rings (state.ring_len) and kv_len the model's context."""
     modes = dict(kernels)
     if window or modes[attention_kernel(q.shape[1])] == "reference":
         # The jnp path reads each row's slot in key blocks up to its position (the reference's
         # math, blocked): no kv_len gather, cost follows the positions attended.
         from pantheon.pallas.attention import cached_attention_blocked
 
-        return cached_attention_blocked(q, k_cache, v_cache, slots, positions, window=window)
+        return cached_attention_blocked(q, k_cache, v_cache, slots, positions, window=window, ring=ring, length=kv_len)
     # The kernels take q in the cache's dtype (bf16 on a GPU: tensor-core dots, f32 softmax and
     # accumulation inside) and return it in that dtype.
     if q.shape[1] == 1:

@@ -63,7 +63,8 @@ def _project(w, x, positions, spec: ModelSpec, num: Numerics, swa: bool = False)
     if spec.qk_norm:
         q = rms_norm(q, w["q_norm"], spec.rms_eps)
         k = rms_norm(k, w["k_norm"], spec.rms_eps)
-    base, scaling = (spec.rope_base_swa, None) if swa else (spec.rope_base, spec.rope_scaling)
+    own = swa and spec.rope_base_swa is not None
+    base, scaling = (spec.rope_base_swa, None) if own else (spec.rope_base, spec.rope_scaling)
     q = rope(q, positions, base, spec.rope_dim, spec.rope_style, scaling)
     k = rope(k, positions, base, spec.rope_dim, spec.rope_style, scaling)
     if spec.q_scale != 1.0:  # attention scales by 1/sqrt(head_dim): gemma3's 27B by another factor
@@ -110,22 +111,25 @@ def _gemma_tail(w, x, spec: ModelSpec, num: Numerics):
     return x + rms_norm(linear(act, w["w_down"], num.scheme("w_down")), w["ffn_post_norm"], spec.rms_eps)
 
 
-@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels", "swa"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels", "swa", "ring"), donate_argnames=("kv",))
 def block(w, kv, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int, kernels: kern.Kernels,
-          swa: bool = False):
+          swa: bool = False, ring: bool = False):
     """One transformer block. x: [B, T, E]; kv: this layer's (k_cache, v_cache), each [slots+1, C, K, D];
     positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions.
-    kernels: the attention kernel's mode (`block_kernels`). swa: a sliding-window layer (gemma3)."""
+    kernels: the attention kernel's mode (`block_kernels`). swa: a sliding-window layer (gemma3);
+    ring: its cache is a ring (state.ring_len) and kv_len the model's context."""
     k_cache, v_cache = kv
     q, k, v = _project(w, x, positions, spec, numerics, swa)
-    # Write this chunk's keys/values at their absolute positions, then attend over the first kv_len.
-    # Positions past the cache (padding of a final chunk) are dropped.
+    # Write this chunk's keys/values at their absolute positions (a ring's: modulo its length),
+    # then attend. Positions past the cache (padding of a final chunk) are dropped; a ring's padding
+    # lands on positions more than a window behind every query (R >= window + T).
     rows = slots[:, None]
-    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    at = positions % k_cache.shape[1] if ring else positions
+    k_cache = k_cache.at[rows, at].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, at].set(v.astype(v_cache.dtype), mode="drop")
     # A window no shorter than the cache is plain causal attention: the layer keeps the fast kernels.
-    window = spec.swa_window if swa and k_cache.shape[1] > spec.swa_window else 0
-    attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels, window)
+    window = spec.swa_window if swa and (ring or k_cache.shape[1] > spec.swa_window) else 0
+    attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels, window, ring)
     return _tail(w, x, attn, spec, numerics), k_cache, v_cache
 
 
@@ -159,7 +163,7 @@ def head(table, output_norm, x, logit_index, *, spec: ModelSpec, numerics: Numer
 
 def block_kernels(spec: ModelSpec, cache: KVCache, t: int) -> kern.Kernels:
     """The static `kernels` of `block` for t tokens per row (model/kernels.py)."""
-    return kern.choose(kern.attention_modes(t, spec.head_dim, cache.k[0].shape), cache.k[0].dtype)
+    return kern.choose(kern.attention_modes(t, spec.head_dim, cache.layer_shape), cache.k[0].dtype)
 
 
 def forward(params, cache: KVCache, inputs: StepInputs, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
@@ -187,13 +191,14 @@ def forward(params, cache: KVCache, inputs: StepInputs, *, spec: ModelSpec, nume
         windowed.update(kernels=wk, kv_len=kern.program_kv_len(wk, kv_len, cache.ctx))
     for i, w in enumerate(params["layers"]):
         swa = bool(spec.swa_layers) and spec.swa_layers[i]
+        ring = cache.is_ring(i)
         if isinstance(ks[i], np.ndarray):  # this layer's KV lives on the host
             q, k, v = call("attn_project", i, attn_project, (w, x, positions), dict(plain, swa=True) if swa else plain)
-            attn = host_attend(q, k, v, ks[i], vs[i], positions, slots, spec.swa_window if swa else 0)
+            attn = host_attend(q, k, v, ks[i], vs[i], positions, slots, spec.swa_window if swa else 0, ring)
             x = call("attn_tail", i, attn_tail, (w, x, attn), plain)
         else:
             x, ks[i], vs[i] = call("block", i, block, (w, (ks[i], vs[i]), x, positions, slots),
-                                   windowed if swa else static)
+                                   dict(windowed, ring=True) if ring else windowed if swa else static)
     logits = call("head", -1, head, (params["head"], params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))
-    return logits, KVCache(ks, vs)
+    return logits, KVCache(ks, vs, cache.ctx)

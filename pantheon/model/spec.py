@@ -39,11 +39,12 @@ class ModelSpec:
     residual_scale: float = 1.0  # minicpm: each block's output is multiplied by this
     logit_scale: float = 1.0  # logits are divided by this
     rope_scaling: RopeScaling | None = None  # llama3 rope_freqs, linear, YaRN (None: plain rope)
-    # gemma3: sliding-window layers (their own rope base, unscaled), norms after attention and after
-    # the FFN, a GELU-gated FFN, q scaled beyond 1/sqrt(head_dim), logits soft-capped
+    # gemma3: sliding-window layers (their own rope base, unscaled; mistral's: every layer, the
+    # global rope), norms after attention and after the FFN, a GELU-gated FFN, q scaled beyond
+    # 1/sqrt(head_dim), logits soft-capped
     swa_layers: tuple[bool, ...] = ()
     swa_window: int = 0  # keys a sliding layer attends: q_pos - k_pos < swa_window
-    rope_base_swa: float = 10000.0
+    rope_base_swa: float | None = None  # a sliding layer's own rope base, unscaled (gemma3); None: the global rope
     post_norms: bool = False
     ffn_act: str = "silu"  # or "gelu" (tanh form)
     q_scale: float = 1.0
@@ -152,10 +153,10 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
     _check_dense_variant(g, arch)
     ctx_train = key("context_length", 4096)
     window = key("attention.sliding_window", None)
-    if window is not None and window > 0 and arch != "gemma3":
-        # Sliding-window attention (Mistral v0.1, Phi-3): within the window it is full causal
-        # attention, so the window caps the context instead of being implemented.
-        ctx_train = min(ctx_train, window)
+    # gemma3 interleaves sliding layers with global ones; a `mistral` file (Mistral v0.1) slides in
+    # every layer, with the global rope. llama.cpp b11434 reads no window for `llama` and disables
+    # Phi-3's ("Phi SWA is currently disabled"): those attend over the whole context, as it does.
+    sliding = dict(swa_layers=(True,) * n_layer, swa_window=int(window)) if arch == "mistral" and window else {}
     rope_dim = key("rope.dimension_count", head_dim)
     _check_ranges(g, arch, attention__key_length=head_dim, feed_forward_length=n_ff, vocab_size=n_vocab)
     _check_context(g, arch, ctx_train)
@@ -173,7 +174,7 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec | HybridSpec:
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
         rope_scaling=rope_scaling(g, arch, key, rope_dim, ctx_train),
         **{**_scales(key, arch, n_layer, n_embd),
-           **(_gemma3(g, key, n_layer, n_embd, n_head, head_dim, window) if arch == "gemma3" else {}),
+           **(_gemma3(g, key, n_layer, n_embd, n_head, head_dim, window) if arch == "gemma3" else sliding),
            **_experts(g, key, n_ff)},
     )
     _check_shapes(g, spec)

@@ -2,7 +2,13 @@
 
 Layout: k, v are lists of L per-layer arrays [slots + 1, ctx, K, D] (separate buffers, so each
 layer program donates and updates its own in place). The extra last slot is scratch: padded batch rows
-write there, so a padded row can never disturb a live conversation."""
+write there, so a padded row can never disturb a live conversation.
+
+A sliding-window layer (gemma3's) whose window is much shorter than the context holds a ring
+instead, [slots + 1, R, K, D] with R = ring_len(): position p lives at p % R, and the ring keeps the
+last R positions written, which hold the window of every query a program can bring (R >= window +
+RING_WRITES). Its memory is bounded by the window, as llama.cpp's SWA cache is. A slot can then only
+resume from a prefix whose window the ring still holds: `rewind` positions back from its end."""
 
 from __future__ import annotations
 
@@ -17,12 +23,36 @@ import numpy as np
 
 from pantheon.model.spec import HybridSpec, ModelSpec
 
+# The most positions one program writes to a row (the runner's largest prefill chunk), and the
+# positions a ring keeps beyond the window and one such write: how far a slot can rewind.
+RING_WRITES = 512
+RING_SPARE = 512
+RING_ALIGN = 256  # the blocked jnp attention's key blocks divide it: a block never wraps
+
+
+def ring_len(spec: ModelSpec, ctx: int) -> int:
+    """The length of a sliding layer's ring for a context of ctx, or 0 where the whole context is
+    held (no sliding layers, or a window not much shorter than the context)."""
+    if not any(spec.swa_layers) or not spec.swa_window:
+        return 0
+    r = -(-(spec.swa_window + RING_WRITES + RING_SPARE) // RING_ALIGN) * RING_ALIGN
+    return r if r < ctx else 0
+
+
+def rewind(spec: ModelSpec, ctx: int) -> int | None:
+    """How many positions back from the end of its history a slot can resume (None: any): the
+    positions [n - window, n) a resumed prefix needs were overwritten in a ring once positions
+    R - window - RING_WRITES past n (a write's padding included) were written."""
+    r = ring_len(spec, ctx)
+    return r - spec.swa_window - RING_WRITES if r else None
+
 
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: list[jax.Array]  # L x [slots + 1, ctx, K, D]
+    k: list[jax.Array]  # L x [slots + 1, ctx (or a sliding layer's ring), K, D]
     v: list[jax.Array]
+    ctx: int = field(metadata=dict(static=True), default=0)
 
     @property
     def n_slots(self) -> int:
@@ -33,8 +63,12 @@ class KVCache:
         return self.k[0].shape[0] - 1
 
     @property
-    def ctx(self) -> int:
-        return self.k[0].shape[1]
+    def layer_shape(self) -> tuple[int, ...]:
+        """The shape of a layer holding the whole context (kernels are chosen from it)."""
+        return (self.k[0].shape[0], self.ctx, *self.k[0].shape[2:])
+
+    def is_ring(self, layer: int) -> bool:
+        return self.k[layer].shape[1] < self.ctx
 
     @property
     def nbytes(self) -> int:
@@ -46,10 +80,21 @@ def kv_cache_shape(spec: ModelSpec, n_slots: int, ctx: int) -> tuple[int, ...]:
     return (n_slots + 1, ctx, spec.n_head_kv, spec.head_dim)
 
 
-def allocate_kv_cache(spec: ModelSpec, n_slots: int, ctx: int, dtype=jnp.float32, sharding=None) -> KVCache:
-    shape = kv_cache_shape(spec, n_slots, ctx)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVCache([zeros() for _ in range(spec.n_layer)], [zeros() for _ in range(spec.n_layer)])
+def layer_lengths(spec: ModelSpec, ctx: int, windowed: bool = True) -> list[int]:
+    """Each layer's cache length: ctx, or a sliding layer's ring (windowed=False: ctx everywhere)."""
+    r = ring_len(spec, ctx) if windowed else 0
+    return [r if r and spec.swa_layers[i] else ctx for i in range(spec.n_layer)]
+
+
+def allocate_kv_cache(spec: ModelSpec, n_slots: int, ctx: int, dtype=jnp.float32, sharding=None,
+                      windowed: bool = True) -> KVCache:
+    """Zeroed buffers; sliding layers as rings unless windowed=False (the whole context: tests
+    compare the two)."""
+    def zeros(n):
+        shape = kv_cache_shape(spec, n_slots, n)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    lengths = layer_lengths(spec, ctx, windowed)
+    return KVCache([zeros(n) for n in lengths], [zeros(n) for n in lengths], ctx)
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +118,10 @@ class HybridState:
     @property
     def scratch_slot(self) -> int:
         return self.n_slots
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return tuple(self.k[0].shape)
 
     @property
     def nbytes(self) -> int:
@@ -103,8 +152,12 @@ def allocate_hybrid_state(spec: HybridSpec, n_slots: int, ctx: int, dtype=jnp.fl
 # ---- one slot's state as host arrays (session export / restore) -------------------------------------
 # Buffers are the list-valued fields of a state dataclass (k, v, and for hybrid models conv, ssm),
 # exported as "<field>.<i>". Position-indexed buffers (k, v) export their first n_tok positions;
-# recurrent buffers export the slot's whole row.
+# recurrent buffers and rings export the slot's whole row.
 POSITIONAL = ("k", "v")
+
+
+def _by_position(state, name: str, buf) -> bool:
+    return name in POSITIONAL and buf.shape[1] >= state.ctx
 
 
 def _buffers(state):
@@ -114,11 +167,17 @@ def _buffers(state):
             yield f.name, value
 
 
+def positional(state) -> frozenset[str]:
+    """The names of the buffers exported by position (their first n_tok rows)."""
+    return frozenset(f"{name}.{i}" for name, bufs in _buffers(state) for i, buf in enumerate(bufs)
+                     if _by_position(state, name, buf))
+
+
 def export_slot(state, slot: int, n_tok: int) -> dict[str, np.ndarray]:
     out = {}
     for name, bufs in _buffers(state):
         for i, buf in enumerate(bufs):
-            out[f"{name}.{i}"] = np.asarray(buf[slot, :n_tok] if name in POSITIONAL else buf[slot])
+            out[f"{name}.{i}"] = np.asarray(buf[slot, :n_tok] if _by_position(state, name, buf) else buf[slot])
     return out
 
 
@@ -148,5 +207,5 @@ def slot_layout(state, n_tok: int) -> dict[str, tuple[tuple[int, ...], str]]:
     for name, bufs in _buffers(state):
         for i, buf in enumerate(bufs):
             row = buf.shape[1:]
-            out[f"{name}.{i}"] = ((n_tok, *row[1:]) if name in POSITIONAL else tuple(row), str(buf.dtype))
+            out[f"{name}.{i}"] = ((n_tok, *row[1:]) if _by_position(state, name, buf) else tuple(row), str(buf.dtype))
     return out

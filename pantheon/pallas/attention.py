@@ -222,7 +222,7 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
 def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array,
                              q_pos: jax.Array, block_k: int = 256, fine_k: int = 64, fine_span: int = 256,
-                             window: int = 0) -> jax.Array:
+                             window: int = 0, ring: bool = False, length: int = 0) -> jax.Array:
     """`attention_reference` read straight from the slot cache, one key block at a time (plain jnp,
     online softmax in float32) — the CPU serve path for prefill chunks and decode steps alike.
 
@@ -237,9 +237,15 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     the cache length or a padded bucket, and nothing is gathered beyond one block. The partition
     is fixed by absolute position, and a block a row cannot see leaves its accumulators
     bit-identical (scale 1, add 0), so a row's result does not depend on its batch-mates. window > 0:
-    a sliding window (as attention_reference's); the blocks before every row's window are skipped."""
+    a sliding window (as attention_reference's); the blocks before every row's window are skipped.
+
+    ring: the caches are rings (a sliding layer's windowed KV, state.ring_len): absolute position p
+    lives at p % R (R = the cache's length, a multiple of the blocks), the loops run over absolute
+    positions up to `length` (the model's context) and read each block at its ring offset. A ring
+    keeps the last R positions written, which hold every row's window (R >= window + T)."""
     b, t, h, d = q.shape
-    c, kh = k_cache.shape[1], k_cache.shape[2]
+    r, kh = k_cache.shape[1], k_cache.shape[2]
+    c = length if ring else r
     g = h // kh
     qg = q.reshape(b, t, kh, g, d).astype(jnp.float32) * (d ** -0.5)
     q_pos = q_pos.astype(jnp.int32)
@@ -249,8 +255,13 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     span = bf * (min(fine_span, c) // bf)  # [0, span): fine blocks; [span, c): coarse blocks
     bk = min(block_k, c)
 
+    if ring and (r % bf or r % bk or span % bk or r < window + t):
+        raise ValueError(f"cached_attention_blocked: a ring of {r} must be a multiple of the key blocks "
+                         f"({bf}, {bk}; {span} in fine ones) and hold the window ({window}) and the step ({t})")
+
     def read(cache, start, n):  # [B, n, K, D]: each row's slot, keys start..start+n-1
-        return jax.vmap(lambda s: jax.lax.dynamic_slice(cache, (s, start, 0, 0), (1, n, kh, d))[0])(slots)
+        at = start % r if ring else start  # a block never wraps: aligned, and r a multiple of n
+        return jax.vmap(lambda s: jax.lax.dynamic_slice(cache, (s, at, 0, 0), (1, n, kh, d))[0])(slots)
 
     def attend_block(carry, first, start, n):
         """Keys first..first+n-1 (read from `start` <= first: a block may overlap the one before it
@@ -264,6 +275,8 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         k = read(k_cache, start, n).astype(jnp.float32)
         v = read(v_cache, start, n).astype(jnp.float32)
         seen = fresh[None, :] & (kpos[None, :] <= last[:, None])  # [B, n]: no stale NaN leaks via 0 * x
+        if ring:  # and a ring slot holds kpos only while kpos is among the last r positions
+            seen = seen & (kpos[None, :] > last[:, None] - r)
         v = jnp.where(seen[:, :, None, None], v, 0.0)
         s = jnp.einsum("btkgd,bskd->btkgs", qg, k)
         s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
@@ -278,7 +291,8 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
 
     def coarse(i, carry):
         first = span + i * bk
-        return attend_block(carry, first, jnp.minimum(first, c - bk), bk)
+        # A block past the end of a ring's context reads ring slots its keys mask out.
+        return attend_block(carry, first, first if ring else jnp.minimum(first, c - bk), bk)
 
     carry = (jnp.zeros((b, t, kh, g, d), jnp.float32), jnp.full((b, t, kh, g), -1e30, jnp.float32),
              jnp.zeros((b, t, kh, g), jnp.float32))

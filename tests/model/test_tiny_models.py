@@ -233,10 +233,18 @@ def test_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
     assert np.allclose(llama3.scale(plain_freqs), plain_freqs / [1, 1, 1, 1, 2, 4, 8, 8])
 
 
-def test_a_sliding_window_caps_the_context(tmp_path):
-    g = open_gguf(write_tiny_llama(tmp_path / "w.gguf", arch="mistral",
-                                   extra_metadata={"mistral.attention.sliding_window": 96}))
-    assert spec_from_gguf(g).ctx_train == 96
+def test_a_mistral_window_slides_in_every_layer_and_others_are_ignored_as_llama_cpp_does(tmp_path):
+    """Mistral v0.1 (`mistral`): every layer slides, with the global rope; `llama` and `phi3` files
+    keep their whole context with full attention, as llama.cpp b11434 serves them (it reads no
+    window for llama and disables Phi-3's)."""
+    mistral = spec_from_gguf(open_gguf(write_tiny_llama(tmp_path / "w.gguf", arch="mistral",
+                                                        extra_metadata={"mistral.attention.sliding_window": 96})))
+    assert (mistral.ctx_train, mistral.swa_window, mistral.swa_layers) == (256, 96, (True, True))
+    assert mistral.rope_base_swa is None
+    for arch in ("llama", "phi3"):
+        spec = spec_from_gguf(open_gguf(write_tiny_llama(tmp_path / f"{arch}.gguf", arch=arch,
+                                                         extra_metadata={f"{arch}.attention.sliding_window": 96})))
+        assert (spec.ctx_train, spec.swa_window, spec.swa_layers) == (256, 0, ())
 
 
 def test_routed_experts_stay_in_their_blocks(tmp_path):

@@ -62,3 +62,38 @@ def test_a_window_covering_the_context_is_causal_attention():
                                   np.asarray(full))
     assert not np.allclose(np.asarray(attention_reference(q, jnp.asarray(k), jnp.asarray(v), pos, window=4)),
                            np.asarray(full), atol=1e-3)
+
+
+@pytest.mark.parametrize("t", [1, 9])
+def test_a_ring_holding_the_last_positions_attends_as_the_whole_cache(t):
+    """A sliding layer's ring (position p at p % R, the last R positions written): the blocked path
+    and the host fallback read it as the whole cache is read, for rows past several wraps and rows
+    that have not wrapped yet; a ring's stale slots (older positions) never show."""
+    rng = np.random.default_rng(11 + t)
+    ctx, r, window = 1024, 128, 40
+    k, v = caches(rng, n_slots=2, ctx=ctx)
+    q = rng.standard_normal((2, t, 4, 16)).astype(np.float32)
+    slots = np.array([1, 0], np.int32)
+    pos = np.stack([np.arange(900 - t + 1, 901), np.arange(50, 50 + t)]).astype(np.int32)
+    ring_k, ring_v = (rng.standard_normal((2, r, 2, 16)).astype(np.float32) for _ in range(2))  # stale
+    for row, slot in enumerate(slots):
+        last = int(pos[row].max())
+        for p in range(max(last - r + 1, 0), last + 1):
+            ring_k[slot, p % r], ring_v[slot, p % r] = k[slot, p], v[slot, p]
+    want = attention_reference(jnp.asarray(q), jnp.asarray(k[slots]), jnp.asarray(v[slots]), jnp.asarray(pos),
+                               window=window)
+    got = cached_attention_blocked(jnp.asarray(q), jnp.asarray(ring_k), jnp.asarray(ring_v), jnp.asarray(slots),
+                                   jnp.asarray(pos), fine_k=16, fine_span=64, block_k=64, window=window, ring=True,
+                                   length=ctx)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    rows = np.arange(2)[:, None]
+    host = host_attend(q, k[slots][rows, pos], v[slots][rows, pos], ring_k.copy(), ring_v.copy(), pos, slots, window,
+                       ring=True)
+    np.testing.assert_allclose(host, np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_a_ring_too_short_for_its_window_is_refused():
+    k = jnp.zeros((1, 64, 2, 16))
+    with pytest.raises(ValueError, match="ring"):
+        cached_attention_blocked(jnp.zeros((1, 1, 4, 16)), k, k, jnp.zeros(1, jnp.int32), jnp.full((1, 1), 100),
+                                 window=80, ring=True, length=1024)
