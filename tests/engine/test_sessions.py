@@ -277,16 +277,24 @@ def test_a_restore_parked_on_the_host_is_private_and_a_fresh_prefill_clears_the_
 
 
 # ---- through a real engine: the runner's export_slot / import_slot as spill / fill ------------------
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
+@pytest.fixture(scope="module", params=["dense", "hybrid", "sliding rings"])
 def one_slot_engine(request, tmp_path_factory):
     from pantheon.config import ModelConfig
     from pantheon.engine.engine import Engine
     from tests.fixtures.tiny_models import write_tiny_llama
 
-    path = (write_tiny_llama(tmp_path_factory.mktemp("tier") / "tiny.gguf", seed=5) if request.param == "dense"
-            else request.getfixturevalue("qwen35moe_f32_gguf"))
-    config = ModelConfig(str(path), ctx_cap=128, max_sessions=1, max_concurrent=1)
-    return Engine(config, host_budget=HostBudget(1 << 30))
+    ctx = 2048 if request.param == "sliding rings" else 128
+    if request.param == "hybrid":
+        path = request.getfixturevalue("qwen35moe_f32_gguf")
+    else:  # "sliding rings": gemma3 with a window of 8, its sliding layers' KV in rings (model/state.py)
+        sliding = dict(arch="gemma3", qk_norm=True, extra_metadata={
+            "gemma3.attention.sliding_window": 8, "gemma3.context_length": ctx}) if request.param != "dense" else {}
+        path = write_tiny_llama(tmp_path_factory.mktemp("tier") / "tiny.gguf", seed=5, **sliding)
+    config = ModelConfig(str(path), ctx_cap=ctx, max_sessions=1, max_concurrent=1)
+    engine = Engine(config, host_budget=HostBudget(1 << 30))
+    rings = engine.runner.positional() != {f"{n}.{i}" for n in "kv" for i in range(len(engine.runner.cache.k))}
+    assert rings == (request.param == "sliding rings")  # a ring exports its whole row
+    return engine
 
 
 def test_a_session_moved_to_the_host_exports_the_same_bytes_and_resumes_token_identically(one_slot_engine):
