@@ -1,5 +1,6 @@
 // Decode attention read in place from the slot cache, as an XLA FFI custom call on the CPU: one
-// query token per row, row b attending to keys 0..lens[b]-1 of slot slots[b]. The jnp path
+// query token per row, row b attending to keys 0..lens[b]-1 of slot slots[b] (a sliding layer's:
+// the last `window` of them, from a ring where its cache is one, model/state.py). The jnp path
 // (pantheon/pallas/attention.py: cached_attention_blocked) loops over key blocks with masks and
 // rescales; this reads each row's keys and values once, at memory speed.
 //
@@ -117,32 +118,55 @@ void attend_part(const float* q, const T* k, const T* v, int64_t step, int64_t n
 // split depends only on the row's own length), attended in parallel, then merged in order.
 constexpr int64_t kChunk = 1024;
 
+// A row's keys as pieces contiguous in its slot: [lo, len) by absolute position (lo = len - window
+// with a sliding window, else 0), split at multiples of kChunk and, in a ring (position p at p % C),
+// at multiples of C. The pieces depend only on the row's own length.
+struct Piece {
+  int64_t start, n;  // absolute position of the first key, and the number of keys
+};
+
+inline void row_pieces(int64_t len, int64_t window, int64_t C, bool ring, std::vector<Piece>& out) {
+  out.clear();
+  int64_t p = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
+  while (p < len) {
+    int64_t end = std::min<int64_t>((p / kChunk + 1) * kChunk, len);
+    if (ring) end = std::min<int64_t>(end, (p / C + 1) * C);
+    out.push_back({p, end - p});
+    p = end;
+  }
+}
+
 template <class Cache>
 ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k_cache,
                         ffi::AnyBuffer& v_cache, ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::S32>& lens,
-                        ffi::ResultBuffer<ffi::F32>& out) {
+                        ffi::ResultBuffer<ffi::F32>& out, int64_t window, bool ring) {
   using T = typename Cache::T;
   const auto qd = q.dimensions(), cd = k_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 4) return ffi::Error::InvalidArgument("attention_decode: q [B,H,D], caches [N,C,K,D]");
   const int64_t B = qd[0], H = qd[1], D = qd[2], N = cd[0], C = cd[1], K = cd[2];
   if (cd[3] != D || D % 8 != 0 || K == 0 || H % K != 0)
     return ffi::Error::InvalidArgument("attention_decode: head dims do not match (D % 8 == 0, H % K == 0)");
+  if (ring && (window <= 0 || window > C)) return ffi::Error::InvalidArgument("attention_decode: a ring needs a window it holds");
   const int32_t* sp = slots.typed_data();
   const int32_t* lp = lens.typed_data();
   for (int64_t b = 0; b < B; ++b)
-    if (sp[b] < 0 || sp[b] >= N || lp[b] > C) return ffi::Error::InvalidArgument("attention_decode: slot or length out of range");
+    if (sp[b] < 0 || sp[b] >= N || (!ring && lp[b] > C)) return ffi::Error::InvalidArgument("attention_decode: slot or length out of range");
   const int64_t G = H / K;
   const float* qp = q.typed_data();
   const T* kp = static_cast<const T*>(k_cache.untyped_data());
   const T* vp = static_cast<const T*>(v_cache.untyped_data());
   float* op = out->typed_data();
-  // Tasks: (row, kv head, chunk); each writes its chunk's m, l and acc, merged below per (row, head).
+  // Tasks: (row, kv head, piece); each writes its piece's m, l and acc, merged below per (row, head).
   std::vector<int64_t> first(B * K + 1, 0);  // first task of each (row, head)
+  std::vector<Piece> pieces, row;  // the tasks' pieces
   int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = lp[b] > 0 ? lp[b] : 0, chunks = (n + kChunk - 1) / kChunk;
-    keys += n;
-    for (int64_t kh = 0; kh < K; ++kh) first[b * K + kh + 1] = first[b * K + kh] + chunks;
+    row_pieces(lp[b] > 0 ? lp[b] : 0, window, C, ring, row);
+    for (const Piece& piece : row) keys += piece.n;
+    for (int64_t kh = 0; kh < K; ++kh) {
+      first[b * K + kh + 1] = first[b * K + kh] + static_cast<int64_t>(row.size());
+      pieces.insert(pieces.end(), row.begin(), row.end());
+    }
   }
   const int64_t tasks = first[B * K];
   std::vector<float> ms(tasks * G), ls(tasks * G), accs(tasks * G * D);
@@ -155,7 +179,7 @@ ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::An
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = owner[t], b = i / K, kh = i % K;
       const int64_t base = ((int64_t)sp[b] * C * K + kh) * D;
-      const int64_t start = (t - first[i]) * kChunk, n = std::min<int64_t>(kChunk, lp[b] - start);
+      const int64_t start = pieces[t].start % C, n = pieces[t].n;  // a piece never wraps a ring
       scores.resize(G * ((n + 7) / 8 * 8));
       attend_part<Cache>(qp + (b * H + kh * G) * D, kp + base + start * K * D, vp + base + start * K * D, K * D, n, G, D,
                   scores.data(), &ms[t * G], &ls[t * G], &accs[t * G * D]);
@@ -184,15 +208,16 @@ ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::An
 }
 
 // The caches' element type picks the loader: f32, f16 or bf16 (--kv-dtype), both caches alike.
+// window > 0: a sliding window, keys len - window .. len - 1; ring != 0: the caches are rings.
 ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> lens,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t ring) {
   const auto type = k_cache.element_type();
   if (v_cache.element_type() != type) return ffi::Error::InvalidArgument("attention_decode: k and v caches differ in type");
   switch (type) {
-    case ffi::DataType::F32: return AttendDecode<F32Cache>(pool, q, k_cache, v_cache, slots, lens, out);
-    case ffi::DataType::F16: return AttendDecode<F16Cache>(pool, q, k_cache, v_cache, slots, lens, out);
-    case ffi::DataType::BF16: return AttendDecode<BF16Cache>(pool, q, k_cache, v_cache, slots, lens, out);
+    case ffi::DataType::F32: return AttendDecode<F32Cache>(pool, q, k_cache, v_cache, slots, lens, out, window, ring != 0);
+    case ffi::DataType::F16: return AttendDecode<F16Cache>(pool, q, k_cache, v_cache, slots, lens, out, window, ring != 0);
+    case ffi::DataType::BF16: return AttendDecode<BF16Cache>(pool, q, k_cache, v_cache, slots, lens, out, window, ring != 0);
     default: return ffi::Error::InvalidArgument("attention_decode: caches must be f32, f16 or bf16");
   }
 }
@@ -208,4 +233,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionDecode, pantheon::AttentionDecode
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("ring"));

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 TARGET = "pantheon_attention_decode"
 
 
 def attention_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array,
-                     lens: jax.Array) -> jax.Array:
+                     lens: jax.Array, window: int = 0, ring: bool = False) -> jax.Array:
     """q [B, H, D]; caches [N_slots, C, K, D] f32, f16 or bf16 (both alike; read as f32); slots, lens int32 [B]: row b attends to keys
-    0..lens[b]-1 of slot slots[b] (none: zeros). Returns [B, H, D] in q's dtype."""
+    0..lens[b]-1 of slot slots[b] (none: zeros). Returns [B, H, D] in q's dtype. window > 0: only
+    the last `window` keys (a sliding layer); ring: the caches are rings, position p at p % C."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_cache, v_cache, slots.astype(jnp.int32), lens.astype(jnp.int32))
+    out = call(q.astype(jnp.float32), k_cache, v_cache, slots.astype(jnp.int32), lens.astype(jnp.int32),
+               window=np.int64(window), ring=np.int64(ring))
     return out.astype(q.dtype)

@@ -166,21 +166,24 @@ def attention_prefill(q, k, v, q_pos, backend: str | None = None, *, mode: str |
 
 
 def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = None, *,
-                     kv_len: int | None = None, mode: str | None = None):
+                     kv_len: int | None = None, mode: str | None = None, window: int = 0, ring: bool = False):
     """One query per row against its cache slot: q [B, H, D], caches [N_slots, C, K, D], slots and
     lengths int [B] -> [B, H, D] (decode_attention, decode_attention_reference, or on the CPU the
     native kernel, pantheon.native.attention).
 
     kv_len: optional static bound, every length <= kv_len. The reference then gathers only the
     first kv_len positions of each row's slot (as the model did before the kernels); the kernel
-    ignores it, as it reads each row's cache in place up to its length."""
+    ignores it, as it reads each row's cache in place up to its length. window, ring: a sliding
+    layer's (the native kernel only; elsewhere such layers take cached_attention_blocked)."""
     from pantheon.pallas import attention
 
     mode = _mode("attention_decode", backend, mode)
     if mode == "native":
         from pantheon.native.attention import attention_decode as native_decode
 
-        return native_decode(q, k_cache, v_cache, slots, lengths)
+        return native_decode(q, k_cache, v_cache, slots, lengths, window, ring)
+    if window or ring:
+        raise ValueError(f"attention_decode: a sliding window in {mode} mode (only the native kernel takes one)")
     if mode == "reference":
         if kv_len is not None and kv_len < k_cache.shape[1]:
             k_cache, v_cache = k_cache[:, :kv_len], v_cache[:, :kv_len]

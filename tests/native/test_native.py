@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from pantheon.native.attention import attention_decode
 from pantheon.native.qmatmul import U4_1, QMatrix, dequantize_blocks, embed_rows, qmatmul, qmatmul_reference, unpack_nibbles
 from pantheon.native.qmatmul import dequantize_native
 from pantheon.pallas import dispatch
-from pantheon.pallas.attention import cached_attention_blocked
+from pantheon.pallas.attention import attention_reference, cached_attention_blocked
 
 QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL)  # GGUF types, in the layouts the models load them (unpack_nibbles)
 
@@ -217,6 +219,39 @@ def test_attention_decode_matches_the_blocked_reference(cache_dtype):
         np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
         one = np.asarray(jax.jit(attention_decode)(q[-1:], kc, vc, slots[-1:], pos[-1:] + 1))
         np.testing.assert_array_equal(one[0], got[-1])  # independent of its batch-mates
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16])
+def test_windowed_decode_in_a_ring_matches_the_reference(cache_dtype):
+    """A sliding layer's decode (the last `window` keys) from the whole cache and from a ring holding
+    the last R positions (p at p % R), rows before and after several wraps, a window longer than one
+    key chunk (split at 1024 and at the ring's end): the reference over the whole cache."""
+    rng = np.random.default_rng()
+    n_slots, c, kv, d, r = 4, 6000, 2, 32, 2560
+    for window in (7, 1500):
+        q = jnp.asarray(rng.standard_normal((4, 6, d)), jnp.float32)
+        full_k = rng.standard_normal((n_slots, c, kv, d)).astype(np.float32) * 2
+        full_v = rng.standard_normal((n_slots, c, kv, d)).astype(np.float32)
+        slots = np.array([0, 1, 3, 2], np.int32)  # a ring holds one row's positions: a slot each
+        pos = np.array([5999, 3000, 40, 2559], np.int32)
+        ring_k, ring_v = (rng.standard_normal((n_slots, r, kv, d)).astype(np.float32) for _ in range(2))  # stale
+        for slot, last in zip(slots, pos):
+            keep = np.arange(max(last - r + 1, 0), last + 1)
+            ring_k[slot, keep % r], ring_v[slot, keep % r] = full_k[slot, keep], full_v[slot, keep]
+        want = np.asarray(attention_reference(q[:, None], jnp.asarray(full_k[slots]), jnp.asarray(full_v[slots]),
+                                              jnp.asarray(pos[:, None]), window=window)[:, 0])
+        lens = jnp.asarray(pos + 1)
+        for kc, vc, ring in ((full_k, full_v, False), (ring_k, ring_v, True)):
+            kc, vc = jnp.asarray(kc, cache_dtype), jnp.asarray(vc, cache_dtype)
+            run = jax.jit(partial(attention_decode, window=window, ring=ring))
+            got = np.asarray(run(q, kc, vc, jnp.asarray(slots), lens))
+            tol = 2e-5 if cache_dtype == jnp.float32 else 5e-3  # f16 rounds the cache itself
+            np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+            one = np.asarray(run(q[1:2], kc, vc, jnp.asarray(slots[1:2]), lens[1:2]))
+            np.testing.assert_array_equal(one[0], got[1])  # independent of its batch-mates
+    with pytest.raises(Exception, match="ring"):  # a ring must hold its window
+        jax.block_until_ready(attention_decode(q, jnp.asarray(ring_k), jnp.asarray(ring_v), jnp.asarray(slots), lens,
+                                               window=r + 1, ring=True))
 
 
 def test_attention_decode_refuses_out_of_range_slots():
