@@ -1,4 +1,5 @@
-"""`pantheon profile`: a jax.profiler trace of N chat requests through the real scheduler, written
+"""`pantheon profile`: a jax.profiler trace of N chat requests (raw prompts for a base model without a
+chat template) through the real scheduler, written
 to profiles/<timestamp>-<model>/ (Perfetto JSON + XPlane). The scheduler and runner annotate
 prefill chunks, decode steps and sampling (TraceAnnotation costs ~0.2 us when no trace runs)."""
 
@@ -21,8 +22,12 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Na
 def capture(engine, out_root: Path, requests: int = 4, max_tokens: int = 32) -> Path:
     """Warm up (compiles are not what a profile is for), then trace `requests` requests."""
     def run(i: int):
-        text = engine.render_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
-        req = GenerationRequest(engine.encode_prompt(text), [SamplingParams(temperature=0)], max_tokens)
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if engine.template is None:  # a base model: the raw text, as /v1/completions sends it
+            ids = engine.tokenizer.encode(prompt, parse_special=True, add_bos=None)
+        else:
+            ids = engine.encode_prompt(engine.render_chat([{"role": "user", "content": prompt}]))
+        req = GenerationRequest(ids, [SamplingParams(temperature=0)], max_tokens)
         with jax.profiler.TraceAnnotation(f"request_{i}", request=i):
             engine.run_sync(req, lambda ev: None)
 
