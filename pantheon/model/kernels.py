@@ -69,14 +69,14 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
 
     T == 1 (decode): dispatch.attention_decode reads each row's slot in place, up to its position
     (the reference gathers the first kv_len positions). Otherwise dispatch.attention_prefill on the
-    first kv_len positions of the rows' slots. window > 0 (a sliding-window layer): the native decode
-    kernel, which takes the window, or the jnp path, whose masks take it (the Pallas kernels do not,
-    yet: `windowed` gives such a layer reference modes but the native one); ring: the caches are a
-    sliding layer's rings (state.ring_len) and kv_len the model's context."""
+    first kv_len positions of the rows' slots. window > 0 (a sliding-window layer): the decode
+    kernels (native and Pallas), which take the window, or the jnp path, whose masks take it (the
+    flash prefill kernel does not, yet: `windowed` gives it the reference mode); ring: the caches
+    are a sliding layer's rings (state.ring_len) and kv_len the model's context."""
     modes = dict(kernels)
-    if (window or ring) and q.shape[1] == 1 and modes[ATTENTION_DECODE] == "native":  # the native kernel takes both
+    if (window or ring) and q.shape[1] == 1 and modes[ATTENTION_DECODE] != "reference":  # the kernels take both
         out = dispatch.attention_decode(q[:, 0].astype(k_cache.dtype), k_cache, v_cache, slots, positions[:, 0] + 1,
-                                        mode="native", window=window, ring=ring)
+                                        mode=modes[ATTENTION_DECODE], window=window, ring=ring)
         return out[:, None].astype(q.dtype)
     if window or modes[attention_kernel(q.shape[1])] == "reference":
         # The jnp path reads each row's slot in key blocks up to its position (the reference's
@@ -96,11 +96,9 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
 
 
 def windowed(kernels: Kernels) -> Kernels:
-    """A sliding-window layer's kernels: the attention kernels on the reference (jnp) path, but the
-    native decode kernel, which takes a window and a ring."""
-    def keeps(name: str, mode: str) -> bool:
-        return name not in (ATTENTION_PREFILL, ATTENTION_DECODE) or (name == ATTENTION_DECODE and mode == "native")
-    return tuple((name, mode if keeps(name, mode) else "reference") for name, mode in kernels)
+    """A sliding-window layer's kernels: prefill attention on the reference (jnp) path; the decode
+    kernels take a window and a ring."""
+    return tuple((name, "reference" if name == ATTENTION_PREFILL else mode) for name, mode in kernels)
 
 
 def attention_modes(t: int, head_dim: int, cache_shape: tuple[int, ...]) -> dict[str, bool]:

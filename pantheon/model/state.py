@@ -4,11 +4,12 @@ Layout: k, v are lists of L per-layer arrays [slots + 1, ctx, K, D] (separate bu
 layer program donates and updates its own in place). The extra last slot is scratch: padded batch rows
 write there, so a padded row can never disturb a live conversation.
 
-A sliding-window layer (gemma3's) whose window is much shorter than the context holds a ring
-instead, [slots + 1, R, K, D] with R = ring_len(): position p lives at p % R, and the ring keeps the
-last R positions written, which hold the window of every query a program can bring (R >= window +
-RING_WRITES). Its memory is bounded by the window, as llama.cpp's SWA cache is. A slot can then only
-resume from a prefix whose window the ring still holds: `rewind` positions back from its end."""
+A sliding-window layer (gemma3's; every layer of a mistral file) whose window is much shorter than
+the context holds a ring instead, [slots + 1, R, K, D] with R = ring_len(): position p lives at
+p % R, and the ring keeps the last R positions written, which hold the window of every query a
+program can bring (R >= window + RING_WRITES). Its memory is bounded by the window, as llama.cpp's
+SWA cache is. A slot can then only resume from a prefix whose window the ring still holds: `rewind`
+positions back from its end."""
 
 from __future__ import annotations
 

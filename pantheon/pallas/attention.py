@@ -328,12 +328,15 @@ def _check_decode_args(q, k_cache, v_cache, slots, lengths, what):
 
 
 def _decode_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_k: int,
-                   split_len: int, ctx: int, n_slots: int, scale: float):
+                   split_len: int, ctx: int, n_slots: int, scale: float, window: int = 0, ring: bool = False):
     """One (row b, kv head, split): slot_ref/len_ref [1] int32; q_ref [Gp, D]; k_ref/v_ref
-    [N_slots, C, D] (this kv head of the whole cache); outputs acc [Gp, D] (unnormalised), m, l [Gp]."""
+    [N_slots, C, D] (this kv head of the whole cache); outputs acc [Gp, D] (unnormalised), m, l [Gp].
+    window > 0: only keys at positions >= length - window; ring: cache index i holds the latest
+    position p <= length - 1 with p % C == i (a sliding layer's ring, model/state.py)."""
     split = pl.program_id(2)
     slot = jnp.clip(slot_ref[0], 0, n_slots - 1)
-    length = jnp.clip(len_ref[0], 0, ctx)
+    full = jnp.maximum(len_ref[0], 0)  # the row's length, which a ring may exceed
+    length = jnp.minimum(full, ctx)  # cache indices in use
     lo = split * split_len
     hi = jnp.minimum(lo + split_len, length)
     n_blocks = (jnp.maximum(hi - lo, 0) + block_k - 1) // block_k
@@ -349,8 +352,11 @@ def _decode_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref
         read = jnp.minimum(start, ctx - block_k)
         k = k_ref[slot, pl.ds(read, block_k), :]
         v = v_ref[slot, pl.ds(read, block_k), :]
-        kpos = read + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        valid = (kpos >= start) & (kpos < hi)  # [1, bk]
+        idx = read + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        valid = (idx >= start) & (idx < hi)  # [1, bk]
+        if window:
+            kpos = full - 1 - lax.rem(full - 1 - idx, ctx) if ring else idx  # >= 0 where valid
+            valid = valid & (kpos >= full - window)
         s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale  # [Gp, bk]
         return _online_softmax_step(acc, m, l, s, valid, v.astype(q.dtype), valid, prec)
@@ -368,10 +374,12 @@ def default_num_splits(ctx: int, block_k: int) -> int:
     return max(1, min(16, ctx // 512, ctx // block_k))
 
 
-@partial(jax.jit, static_argnames=("block_k", "num_splits", "interpret", "num_warps", "num_stages"))
+@partial(jax.jit, static_argnames=("block_k", "num_splits", "interpret", "num_warps", "num_stages", "window",
+                                   "ring"))
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array,
                      lengths: jax.Array, *, block_k: int = 64, num_splits: int | None = None,
-                     interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                     interpret: bool = False, num_warps: int = 4, num_stages: int = 2, window: int = 0,
+                     ring: bool = False) -> jax.Array:
     """Pallas batched decode attention, semantics of `decode_attention_reference`.
 
     q: [B, H, D], the new token of each row (its key/value must already be in the cache);
@@ -383,8 +391,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots
     index and length from the ordinary inputs `slots`/`lengths` and loops over the key blocks of its
     context split that lie below the length. The G = H/K query heads of a kv head share the key
     loads and are padded to max(16, next pow2) rows for Triton's dot. Partial results of the splits
-    are merged with a log-sum-exp outside the kernel (a few KB)."""
+    are merged with a log-sum-exp outside the kernel (a few KB).
+
+    window > 0: a sliding layer's, only each row's last `window` positions; ring: the caches are
+    rings (model/state.py: position p at p % C, lengths may exceed C; needs a window <= C). A ring
+    reads every index in use and masks those outside the window."""
     b, h, d = _check_decode_args(q, k_cache, v_cache, slots, lengths, "decode_attention")
+    if ring and not 0 < window <= k_cache.shape[1]:
+        raise ValueError(f"decode_attention: a ring of {k_cache.shape[1]} needs a window it holds, got {window}")
     _check_head_dim(d, "decode_attention")
     if not (_is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"decode_attention: block_k={block_k} must be a power of 2 >= 16")
@@ -405,7 +419,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots
     if gp != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     kernel = partial(_decode_kernel, block_k=bk, split_len=split_len, ctx=ctx, n_slots=n_slots,
-                     scale=d ** -0.5)
+                     scale=d ** -0.5, window=window, ring=ring)
     part = (b, kh, splits, gp)
     acc, m, l = pl.pallas_call(
         kernel,

@@ -174,7 +174,7 @@ def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = 
     kv_len: optional static bound, every length <= kv_len. The reference then gathers only the
     first kv_len positions of each row's slot (as the model did before the kernels); the kernel
     ignores it, as it reads each row's cache in place up to its length. window, ring: a sliding
-    layer's (the native kernel only; elsewhere such layers take cached_attention_blocked)."""
+    layer's (the kernels: the reference takes none, such layers take cached_attention_blocked)."""
     from pantheon.pallas import attention
 
     mode = _mode("attention_decode", backend, mode)
@@ -182,13 +182,14 @@ def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = 
         from pantheon.native.attention import attention_decode as native_decode
 
         return native_decode(q, k_cache, v_cache, slots, lengths, window, ring)
-    if window or ring:
-        raise ValueError(f"attention_decode: a sliding window in {mode} mode (only the native kernel takes one)")
+    if mode == "reference" and (window or ring):
+        raise ValueError("attention_decode: a sliding window in reference mode (cached_attention_blocked takes one)")
     if mode == "reference":
         if kv_len is not None and kv_len < k_cache.shape[1]:
             k_cache, v_cache = k_cache[:, :kv_len], v_cache[:, :kv_len]
         return attention.decode_attention_reference(q, k_cache, v_cache, slots, lengths)
-    return attention.decode_attention(q, k_cache, v_cache, slots, lengths, interpret=interpret_flag(mode))
+    return attention.decode_attention(q, k_cache, v_cache, slots, lengths, interpret=interpret_flag(mode),
+                                      window=window, ring=ring)
 
 
 def moe_ffn(x, router_logits, top_k: int, gate, up, down, schemes=None, backend: str | None = None, *,

@@ -74,6 +74,15 @@ def test_decode_attention_lowers(d, dtype):
     _assert_triton(text, 1)
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_sliding_window_decode_attention_lowers(ring):
+    """Gemma 3's sliding layers: a window of 512, in the whole cache or in a ring of 1536 (model/state.py)."""
+    cache = S((SLOTS + 1, 1536 if ring else CTX, 1, 256), jnp.bfloat16)
+    text = lower_for_cuda(lambda q, k, v, s, n: decode_attention(q, k, v, s, n, window=512, ring=ring),
+                          S((SLOTS, 4, 256), jnp.bfloat16), cache, cache, S((SLOTS,), jnp.int32), S((SLOTS,), jnp.int32))
+    _assert_triton(text, 1)
+
+
 @pytest.mark.parametrize("m", [SLOTS * TOP_K, 512 * TOP_K])  # a decode step, a 512-token prefill chunk
 @pytest.mark.parametrize("n,k", [(FFN, HIDDEN), (HIDDEN, FFN)])  # gate/up, down
 def test_grouped_matmul_q3k_lowers(m, n, k):

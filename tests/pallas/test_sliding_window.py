@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pantheon.model.host_attention import host_attend
-from pantheon.pallas.attention import attention_reference, cached_attention_blocked
+from pantheon.pallas.attention import attention_reference, cached_attention_blocked, decode_attention
 
 
 def caches(rng, n_slots=3, ctx=80, kv=2, d=16):
@@ -97,3 +97,26 @@ def test_a_ring_too_short_for_its_window_is_refused():
     with pytest.raises(ValueError, match="ring"):
         cached_attention_blocked(jnp.zeros((1, 1, 4, 16)), k, k, jnp.zeros(1, jnp.int32), jnp.full((1, 1), 100),
                                  window=80, ring=True, length=1024)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_the_pallas_decode_kernel_takes_a_window_and_a_ring(ring):
+    """The Pallas decode kernel (interpret mode) with a window, over the whole cache or a ring holding
+    each row's last R positions (rows past wraps and rows that have not wrapped): the reference."""
+    rng = np.random.default_rng(5 + ring)
+    ctx, r, window = 1024, 256, 40
+    k, v = caches(rng, n_slots=3, ctx=ctx)
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    slots, pos = np.array([2, 0, 1], np.int32), np.array([900, 30, 511], np.int32)
+    want = attention_reference(jnp.asarray(q[:, None]), jnp.asarray(k[slots]), jnp.asarray(v[slots]),
+                               jnp.asarray(pos[:, None]), window=window)[:, 0]
+    if ring:
+        k_in, v_in = (rng.standard_normal((3, r, 2, 16)).astype(np.float32) for _ in range(2))  # stale
+        for slot, last in zip(slots, pos):
+            keep = np.arange(max(last - r + 1, 0), last + 1)
+            k_in[slot, keep % r], v_in[slot, keep % r] = k[slot, keep], v[slot, keep]
+    else:
+        k_in, v_in = k, v
+    got = decode_attention(jnp.asarray(q), jnp.asarray(k_in), jnp.asarray(v_in), jnp.asarray(slots),
+                           jnp.asarray(pos + 1), block_k=32, num_splits=2, interpret=True, window=window, ring=ring)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
