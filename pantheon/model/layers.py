@@ -76,7 +76,7 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE)
         # rounded activations sums in another order and flips roundings downstream (a Q8_0 qwen3
         # 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 here).
         if scheme == NONE and rows > kernel_rows(w):
-            dense = dequantize_native(w).T  # [in, out], as f32 weights are held
+            dense = dequantize_native(w, after=x).T  # [in, out], as f32 weights are held
             return jnp.einsum("...i,io->...o", x, dense, preferred_element_type=jnp.float32)
         # the kernel rounds x itself (Q8_0/Q8_1, or Q8_K against K-quants) and sums integer dots;
         # against F16/BF16 rows llama.cpp rounds x to their type, then multiplies in f32

@@ -396,7 +396,9 @@ void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n
   }
 }
 
-ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out, int64_t qtype) {
+// `after` is only an ordering dependency (dequantize_native): its values are not read.
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> /*after*/,
+                      ffi::ResultBuffer<ffi::F32> out, int64_t qtype) {
   const auto wd = w.dimensions(), od = out->dimensions();
   if (wd.size() != 2 || od.size() != 2 || wd[0] != od[0]) return ffi::Error::InvalidArgument("dequantize: bad shapes");
   const int64_t N = od[0], K = od[1];
@@ -442,5 +444,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("qtype"));

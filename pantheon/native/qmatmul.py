@@ -131,12 +131,18 @@ def dequantize_blocks(blocks: jax.Array, qtype: int) -> jax.Array:
     return (d * b[..., 4:].astype(jnp.float32) + m).reshape(*blocks.shape[:-1], -1)
 
 
-def dequantize_native(w: QMatrix) -> jax.Array:
+def dequantize_native(w: QMatrix, after: jax.Array | None = None) -> jax.Array:
     """W [n_out, n_in] f32 from its blocks, in the native kernel: the values `dequantize_blocks`
     (the jnp reference) gives, bit for bit, ~10x faster than XLA runs that one (a long prefill
-    chunk dequantizes every matrix of the model once)."""
+    chunk dequantizes every matrix of the model once).
+
+    after: an array the dequantization waits for (the kernel ignores its values). XLA runs
+    operations that need no activations first: a layer's matrices would all be dequantized at the
+    start of its program and held together (a 1 B layer: 233 MiB of f32, which the allocator then
+    keeps); waiting for the matrix's own input bounds that to the matrix in use."""
     call = jax.ffi.ffi_call("pantheon_dequantize", jax.ShapeDtypeStruct((w.n_out, w.n_in), jnp.float32))
-    return call(w.blocks, qtype=np.int64(w.qtype))
+    dep = jnp.zeros((1,), jnp.float32) if after is None else after.reshape(-1)[:1].astype(jnp.float32)
+    return call(w.blocks, dep, qtype=np.int64(w.qtype))
 
 
 def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:

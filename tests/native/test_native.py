@@ -338,3 +338,18 @@ def test_half_rows_refuse_8bit_activations():
     w, _ = random_matrix(np.random.default_rng(), 8, 64, Q.F16)
     with pytest.raises(ValueError, match="f32 activations"):
         qmatmul(jnp.ones((1, 64)), w, int8_activations=True)
+
+
+def test_a_prefill_chunk_dequantizes_one_matrix_at_a_time():
+    """Long chunks multiply dequantized f32 weights (layers.linear); each matrix's dequantization
+    waits for its input, so XLA does not dequantize a layer's matrices all at the start and hold
+    them together: two chained 1024 x 1024 products need about one matrix of temporary memory."""
+    from pantheon.model.layers import linear
+
+    rng = np.random.default_rng(0)
+    w1, w2 = (QMatrix(jnp.asarray(quantize_np(rng.standard_normal((1024, 1024)).astype(np.float32), Q.Q8_0)),
+                      int(Q.Q8_0), 1024) for _ in range(2))
+    x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)  # more rows than the kernel takes
+    temp = jax.jit(lambda x, a, b: linear(linear(x, a), b)).lower(x, w1, w2).compile().memory_analysis().temp_size_in_bytes
+    one = 1024 * 1024 * 4
+    assert one <= temp < 1.5 * one, temp
