@@ -4,21 +4,25 @@
 hard strings, teacher-forced top-1 over 400 steps of text llama.cpp sampled, and raw completions
 over HTTP (the file has no chat template).
 
-Measured (AVX-512 EPYC): tokenization exact on all 24 strings; top-1 agreement 383/400 = 95.75 % in
-`exact` numerics and in `llamacpp` numerics alike, every miss at a llama.cpp top-2 margin below
-0.23 in `exact` (near-ties). The same architecture on this file requantized to F32 (llama-quantize
---allow-requantize ... F32, 1 GB: not in CI) matches llama.cpp's log-probs within 1.1e-3 (`llamacpp`
-numerics: its f16 GELU table) and 2.4e-3 (`exact`); in the quantized file every matrix product
-rounds its input to 8 bits, and the f32 differences at that 1e-3 level decide some of those
-roundings (in llama.cpp too, between its CPU backends), which moves the quantized log-probs by up
-to 0.1-0.4. The issue's 98 % is not reached; the bound here is the measured 95 % with only
-near-ties (margin < 0.3) allowed to differ."""
+Measured (AVX-512 EPYC, f16 KV as served): tokenization exact on all 24 strings; teacher-forced
+top-1 agreement 386/400 = 96.5 % in `llamacpp` numerics and 383/400 = 95.75 % in `exact`, every
+miss at a llama.cpp top-2 margin below 0.33 (near-ties). llama.cpp does not reproduce its own
+recording more closely: the same llama-server, reading each step's prefix again as one prompt
+instead of decoding it token by token (tests/tools/llamacpp_self_agreement.py: its matrix-matrix
+kernels and, past 63 tokens, its tiled f32 attention — other summation orders and roundings, the
+same weights), agrees on 386/400 = 96.5 %, missing at margins up to 0.73. The issue's 98 % is
+above that floor; the bounds here are the measured figures less one or two steps of slack for other
+CPU kinds. (This architecture on the file requantized to F32, 1 GB, not in CI, matches llama.cpp's
+log-probs within 1.1e-3: in the quantized file every matrix product rounds its input to 8 bits, and
+f32 differences at that level decide some of those roundings, which moves the quantized log-probs
+by up to 0.1-0.4.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,14 +59,16 @@ def test_tokenization_of_hard_strings_equals_llama_cpp(gemma):
         assert tok.encode(case["text"], parse_special=True, add_bos=False) == case["ids"], case["text"]
 
 
-def test_teacher_forced_top1_agrees_with_llama_cpp(gemma):
+@pytest.mark.parametrize("mode,bound", [("llamacpp", 384), ("exact", 381)])
+def test_teacher_forced_top1_agrees_with_llama_cpp(gemma, mode, bound):
     g, spec = gemma
-    numerics = numerics_for(g, spec, "exact")
-    runner = ModelRunner(spec, numerics, load_params(g, spec, numerics=numerics), n_slots=1, ctx=512)
+    numerics = numerics_for(g, spec, mode)
+    runner = ModelRunner(spec, numerics, load_params(g, spec, numerics=numerics), n_slots=1, ctx=512,
+                         dtype=jnp.float16)
     agree, total, missed_margins = 0, 0, []
     for seq in REF["sequences"]:
-        ids = seq["prompt"] + seq["sampled"]
-        logits = np.asarray(runner.prefill(0, ids[:-1], 0, all_logits=True))
+        ids = (seq["prompt"] + seq["sampled"])[:-1]
+        logits = np.asarray(runner.prefill(0, ids, 0, all_logits=True))
         ours = logits[len(seq["prompt"]) - 1:].argmax(-1)
         for mine, theirs, margin in zip(ours, seq["top1"], seq["margin"]):
             total += 1
@@ -70,8 +76,8 @@ def test_teacher_forced_top1_agrees_with_llama_cpp(gemma):
             if mine != theirs:
                 missed_margins.append(margin)
     assert total == 400
-    assert agree / total >= 0.95, (agree, total)
-    assert max(missed_margins, default=0) < 0.3, missed_margins  # only near-ties differ
+    assert agree >= bound, (agree, total)
+    assert max(missed_margins, default=0) < 0.35, missed_margins  # only near-ties differ
 
 
 def test_served_as_a_base_model(gemma3_path):

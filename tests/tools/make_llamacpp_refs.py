@@ -8,7 +8,8 @@ them in CI. Run by hand when llama.cpp or the fixtures change (llama.cpp is not 
 
 For each configuration it writes the tiny model with tests/fixtures/tiny_models.py (deterministic:
 the test regenerates the same bytes and checks their sha256), serves it with llama-server (one
-slot, f32 KV, no flash attention), and for each prompt of token ids asks `/completion` for the
+slot, f32 KV, no flash attention; the DEFAULT_ATTENTION ones as llama-server's defaults: flash
+attention, f16 KV), and for each prompt of token ids asks `/completion` for the
 next token's top-20 log-probabilities (`n_probs`, from the full softmax) and a greedy continuation
 (`ignore_eos`). A configuration llama.cpp refuses to load is recorded with the reason. The files
 say which llama.cpp build produced them.
@@ -95,6 +96,14 @@ CONFIGS = {
         "gemma3.attention.sliding_window": 128, "gemma3.attention.sliding_window_pattern": 2,
         "gemma3.rope.freq_base": 1_000_000.0}),
 }
+# Recorded as llama-server serves by default: flash attention on, f16 KV (the others: off, f32): its
+# per-row attention arithmetic (f16 query, f16 running sum), which `llamacpp` numerics follow
+DEFAULT_ATTENTION = {
+    "llama_f32_fa_f16kv": dict(arch="llama", weight_type=Q.F32),
+    "gemma3_f32_fa_f16kv": dict(CONFIGS["gemma3_f32"]),
+    "gemma3_window8_q8_0_fa_f16kv": dict(CONFIGS["gemma3_window8_f32"], weight_type=Q.Q8_0),
+}
+CONFIGS.update(DEFAULT_ATTENTION)
 # token ids of the fixture vocabulary (bytes at 3.., merges after 258): prompts of several lengths
 PROMPTS = [
     [1, 75, 104, 108, 108, 111, 35, 122, 111, 114, 108, 103],
@@ -139,9 +148,13 @@ def record(server: str, name: str, kwargs: dict, work: Path) -> dict:
            "gguf_sha256": sha256(path)}
     port = free_port()
     log = open(work / f"{name}.log", "wb")
+    attention = ["-fa", "on", "-ctk", "f16", "-ctv", "f16"] if name in DEFAULT_ATTENTION else \
+        ["-fa", "off", "-ctk", "f32", "-ctv", "f32"]
+    if name in DEFAULT_ATTENTION:
+        out["server"] = {"flash_attention": True, "kv": "f16"}
     proc = subprocess.Popen([server, "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-                             "-np", "1", "-t", "2", "-tb", "2", "-fa", "off", "-ctk", "f32", "-ctv", "f32",
-                             "--no-warmup"], stdout=log, stderr=subprocess.STDOUT)
+                             "-np", "1", "-t", "2", "-tb", "2", *attention, "--no-warmup"],
+                            stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
