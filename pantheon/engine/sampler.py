@@ -122,9 +122,33 @@ def first_argmax(x):
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
+GROUP = 64  # elements per group of top_candidates' first pass
+
+
+def top_candidates(x, width: int):
+    """jax.lax.top_k(x, width) over the last axis (the same values and ids, ties to the lower id),
+    in two passes where the vocabulary is large: the maximum of each group of GROUP entries, the
+    `width` best groups (ties to the lower group), then top-k over those groups' entries, gathered
+    in id order. Every entry of the top `width` lies in one of those groups (there are >= width
+    entries at least as large as the width-th best group maximum), and groups are ranges of ids,
+    so ties resolve as in one pass. Gemma 3's 262k vocabulary: 0.42 -> ~0.1 ms a row on the CPU."""
+    v = x.shape[-1]
+    if v < 4 * width * GROUP:  # a pass over few groups gains nothing
+        return jax.lax.top_k(x, width)
+    n_groups = -(-v // GROUP)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_groups * GROUP - v)], constant_values=-jnp.inf)
+    grouped = padded.reshape(*x.shape[:-1], n_groups, GROUP)
+    _, best = jax.lax.top_k(jnp.max(grouped, axis=-1), width)  # [..., width] group ids
+    best = jnp.sort(best, axis=-1)  # id order, so that ties among candidates go to the lower id
+    entries = jnp.take_along_axis(grouped, best[..., None], axis=-2).reshape(*x.shape[:-1], width * GROUP)
+    ids = (best[..., None] * GROUP + jnp.arange(GROUP)).reshape(*x.shape[:-1], width * GROUP)
+    vals, at = jax.lax.top_k(entries, width)
+    return vals, jnp.take_along_axis(ids, at, axis=-1)
+
+
 def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     """temperature-scaled logits -> sampled ids, restricted to the `width` best candidates."""
-    vals, ids = jax.lax.top_k(scaled, width)  # descending
+    vals, ids = top_candidates(scaled, width)  # descending
     k = jnp.where(top_k <= 0, width, jnp.minimum(top_k, width))
     keep = jnp.arange(width)[None, :] < k[:, None]
     probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
@@ -171,13 +195,19 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     n_vocab = logits.shape[-1]
     b = batch
     slots, temperature, top_k, top_p, keys, steps = b.slots, b.temperature, b.top_k, b.top_p, b.keys, b.steps
-    model_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    counts = state.counts[slots]
+    # log-probabilities as jax.nn.log_softmax computes them, (logit - max) - log(sum(exp(logits - max))),
+    # for the entries wanted only: the full [B, V] array is never written
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
     x = logits + state.bias[slots]
-    x = x - b.presence[:, None] * (counts > 0) - b.frequency[:, None] * counts
+    # penalties only where a row has one: the counts' [B, V] gather and arithmetic are skipped
+    penalised = lambda: x - b.presence[:, None] * (state.counts[slots] > 0) - b.frequency[:, None] * state.counts[slots]
+    x = jax.lax.cond(jnp.any((b.presence != 0) | (b.frequency != 0)), penalised, lambda: x)
     if b.mask is not None:
         x = jnp.where(unpack_bitmask(b.mask, n_vocab), x, -jnp.inf)
-    greedy_ids = first_argmax(x)
+    # the argmax over the vocabulary only where a row is greedy
+    greedy_ids = jax.lax.cond(jnp.all(temperature > 0), lambda: jnp.zeros(x.shape[0], jnp.int32),
+                              lambda: first_argmax(x).astype(jnp.int32))
 
     sampled_rows = temperature > 0
     scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
@@ -191,9 +221,10 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     tokens = jnp.where(sampled_rows, sampled, greedy_ids).astype(jnp.int32)
     tokens = jnp.where(b.forced >= 0, b.forced, tokens)
 
-    chosen_lp = jnp.take_along_axis(model_logprobs, tokens[:, None], axis=1)[:, 0]
+    chosen_lp = ((jnp.take_along_axis(logits, tokens[:, None], axis=1) - top) - log_sum)[:, 0]
     if want_top:
-        top_lp, top_ids = jax.lax.top_k(model_logprobs, MAX_TOP_LOGPROBS)
+        top_lp, top_ids = top_candidates(logits, MAX_TOP_LOGPROBS)
+        top_lp = (top_lp - top) - log_sum
     else:
         top_lp = jnp.zeros((logits.shape[0], MAX_TOP_LOGPROBS), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], MAX_TOP_LOGPROBS), jnp.int32)

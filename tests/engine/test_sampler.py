@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pantheon.engine.sampler import (SamplingBatch, SamplingParams, allocate_sampler_state, bias_arrays,
-                                     prng_key_for, reset_slot, sample)
+                                     prng_key_for, reset_slot, sample, top_candidates)
 
 V = 300
 
@@ -109,3 +112,18 @@ def test_first_argmax_is_jnp_argmax_on_ties_nans_and_masked_rows():
         x[2] = -np.inf  # every token masked: index 0
         x[3, :] = 0.0
         np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.asarray(jnp.argmax(x, axis=-1)))
+
+
+@pytest.mark.parametrize("vocab,width", [(262144, 128), (151937, 128), (49152, 20), (1000, 128)])
+def test_top_candidates_equal_a_full_top_k(vocab, width):
+    """The two-pass top-k (group maxima first) gives lax.top_k's values and ids, ties to the lower
+    id: on rows of distinct values, of heavy ties (a few distinct values), and with -inf entries."""
+    rng = np.random.default_rng()
+    rows = [rng.standard_normal(vocab).astype(np.float32),
+            rng.integers(0, 6, vocab).astype(np.float32),  # most entries tie with many others
+            np.where(rng.random(vocab) < 0.999, -np.inf, rng.standard_normal(vocab)).astype(np.float32)]
+    x = jnp.asarray(np.stack(rows))
+    want_vals, want_ids = jax.lax.top_k(x, width)
+    vals, ids = jax.jit(top_candidates, static_argnums=1)(x, width)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))

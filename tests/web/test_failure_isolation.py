@@ -64,9 +64,16 @@ def test_a_session_outside_the_failed_step_resumes_from_its_cache(app):
                                      {"temperature": 1e300, "presence_penalty": 1e30},
                                      {"top_logprobs": 10**9, "seed": 2**70}])
 def test_a_hostile_neighbour_leaves_a_normal_request_byte_identical(app, hostile):
-    normal = body("a normal request", max_tokens=24, temperature=0.8, seed=7, top_k=40)
+    # The normal request keeps one session, so its slot is its own (an anonymous neighbour never takes
+    # it) and every run after the first reuses its cached prompt. Without it, which slot and how much
+    # cached prefix it gets depended on which request was admitted first (the hostile one may take the
+    # slot that shares the chat template's tokens), and a prompt prefilled in other chunks computes
+    # its first token's logits in another summation order (~1e-3 apart in its logprob).
+    normal = body("a normal request", max_tokens=24, temperature=0.8, seed=7, top_k=40,
+                  session_id=f"iso-{sorted(hostile)}")
+    assert app.post(CHAT, normal)[0] == 200  # the session's first turn: its prompt is cached after
     status, alone, _ = app.post(CHAT, normal)
-    assert status == 200
+    assert status == 200 and alone["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
     async def side_by_side():
         hostile_req = app.client.post(CHAT, json=body("hostile", max_tokens=40, **{"temperature": 1.0, **hostile}))
@@ -77,5 +84,6 @@ def test_a_hostile_neighbour_leaves_a_normal_request_byte_identical(app, hostile
     (h_status, h_body), (n_status, together) = app.run(side_by_side())
     assert h_status == 200, h_body
     assert n_status == 200
+    assert together["usage"] == alone["usage"]  # the same cached prefix
     assert together["choices"][0]["message"] == alone["choices"][0]["message"]
     assert together["choices"][0]["logprobs"] == alone["choices"][0]["logprobs"]
