@@ -4,9 +4,11 @@
 hard strings, teacher-forced top-1 over 400 steps of text llama.cpp sampled, and raw completions
 over HTTP (the file has no chat template).
 
-Measured (AVX-512 EPYC, f16 KV as served): tokenization exact on all 24 strings; teacher-forced
-top-1 agreement 386/400 = 96.5 % in `llamacpp` numerics and 383/400 = 95.75 % in `exact`, every
-miss at a llama.cpp top-2 margin below 0.33 (near-ties). llama.cpp does not reproduce its own
+Measured (AVX-512 EPYC): tokenization exact on all 24 strings; teacher-forced top-1 agreement
+383/400 = 95.75 % in `exact` numerics (f16 KV, as served), 386/400 = 96.5 % in `llamacpp` numerics
+with f16 KV (llama.cpp's default cache type) and 380/400 = 95 % with the f32 KV `llamacpp` numerics
+are served with by default; every miss at a llama.cpp top-2 margin below 0.33 with f16 KV, 0.70
+with f32 (near-ties, as llama.cpp's own below). llama.cpp does not reproduce its own
 recording more closely: the same llama-server, reading each step's prefix again as one prompt
 instead of decoding it token by token (tests/tools/llamacpp_self_agreement.py: its matrix-matrix
 kernels and, past 63 tokens, its tiled f32 attention — other summation orders and roundings, the
@@ -59,12 +61,12 @@ def test_tokenization_of_hard_strings_equals_llama_cpp(gemma):
         assert tok.encode(case["text"], parse_special=True, add_bos=False) == case["ids"], case["text"]
 
 
-@pytest.mark.parametrize("mode,bound", [("llamacpp", 384), ("exact", 381)])
-def test_teacher_forced_top1_agrees_with_llama_cpp(gemma, mode, bound):
+@pytest.mark.parametrize("mode,kv,bound,margin", [("exact", jnp.float16, 381, 0.35), ("llamacpp", jnp.float16, 384, 0.35),
+                                                  ("llamacpp", jnp.float32, 378, 0.75)])
+def test_teacher_forced_top1_agrees_with_llama_cpp(gemma, mode, kv, bound, margin):
     g, spec = gemma
     numerics = numerics_for(g, spec, mode)
-    runner = ModelRunner(spec, numerics, load_params(g, spec, numerics=numerics), n_slots=1, ctx=512,
-                         dtype=jnp.float16)
+    runner = ModelRunner(spec, numerics, load_params(g, spec, numerics=numerics), n_slots=1, ctx=512, dtype=kv)
     agree, total, missed_margins = 0, 0, []
     for seq in REF["sequences"]:
         ids = (seq["prompt"] + seq["sampled"])[:-1]
@@ -77,7 +79,7 @@ def test_teacher_forced_top1_agrees_with_llama_cpp(gemma, mode, bound):
                 missed_margins.append(margin)
     assert total == 400
     assert agree >= bound, (agree, total)
-    assert max(missed_margins, default=0) < 0.35, missed_margins  # only near-ties differ
+    assert max(missed_margins, default=0) < margin, missed_margins  # only near-ties differ
 
 
 def test_served_as_a_base_model(gemma3_path):
