@@ -51,6 +51,9 @@ def _project(w, x, positions, spec: ModelSpec, num: Numerics, swa: bool = False)
     if "wqkv" in w:  # fused at load (weights.FUSED)
         q, k, v = jnp.split(linear(h, w["wqkv"], num.scheme("wq")), [spec.n_head * spec.head_dim,
                                                                       (spec.n_head + spec.n_head_kv) * spec.head_dim], -1)
+    elif "wqk" in w:  # q and k fused, v of another type
+        q, k = jnp.split(linear(h, w["wqk"], num.scheme("wq")), [spec.n_head * spec.head_dim], -1)
+        v = linear(h, w["wv"], num.scheme("wv"))
     else:
         q, k, v = (linear(h, w[key], num.scheme(key)) for key in ("wq", "wk", "wv"))
     q = q.reshape(b, t, spec.n_head, spec.head_dim)

@@ -148,7 +148,9 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, nu
 # Matrices that read the same input, concatenated along their outputs into one [in, sum(out)] matrix:
 # on XLA:CPU one wider GEMV streams its weights faster than three narrow ones (a SmolLM2 batch-1
 # decode step: 27 -> 20 ms of matrix time); the model splits the product (llama._project, _tail).
-FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+# (A Q4_K_M file often holds attn_v in another type than attn_q and attn_k: those two still fuse, one
+# call a layer fewer — each small native call costs ~15 us beyond its arithmetic.)
+FUSED = {"wqkv": ("wq", "wk", "wv"), "wqk": ("wq", "wk"), "w_gate_up": ("w_gate", "w_up")}
 
 
 def fuse_projections(w: dict, numerics: Numerics) -> dict:

@@ -302,7 +302,7 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t threads = M * N * K >= (int64_t{1} << 16) ? pool_threads(pool) : 1;
+  const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
   if (int8_activations) {
     const int64_t blocks = std::max<int64_t>(M * (K / 256), 1);
@@ -346,7 +346,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   float* yp = y->typed_data();
   const int64_t nb = K / 32, blocks = M * nb > 0 ? M * nb : 1;
   // Waking a pool thread costs more than a small product gains from it.
-  const int64_t threads = M * N * K >= (int64_t{1} << 16) ? pool_threads(pool) : 1;
+  const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
   if (int8_activations) {
     std::unique_ptr<int8_t[]> q(new int8_t[blocks * 32]);
