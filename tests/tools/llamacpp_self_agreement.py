@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +24,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from pantheon.default_model import gemma3_270m_path  # noqa: E402
-from tests.tools.make_llamacpp_refs import free_port, wait_healthy  # noqa: E402
+from tests.tools.make_gemma3_refs import gemma_server  # noqa: E402
 
 REF = ROOT / "tests" / "data" / "llamacpp" / "gemma3_270m.json"
 
@@ -36,15 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", required=True)
     args = ap.parse_args(argv)
     ref = json.loads(REF.read_text())
-    port = free_port()
-    proc = subprocess.Popen([args.llama_server, "-m", str(gemma3_270m_path()), "--host", "127.0.0.1", "--port",
-                             str(port), "-c", "2048", "-np", "1", "-t", "2", "-tb", "2", "--no-warmup"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     same = total = long_same = long_total = 0
     missed = []
-    try:
-        wait_healthy(proc, url)
+    with gemma_server(args.llama_server) as url:  # the recording's server, as it recorded
         for seq in ref["sequences"]:
             ids = seq["prompt"] + seq["sampled"]
             for i, (top1, margin) in enumerate(zip(seq["top1"], seq["margin"])):
@@ -63,9 +55,6 @@ def main(argv=None) -> int:
         print(f"llama.cpp re-reading its own sequences as prompts: top-1 equal on {same}/{total} steps "
               f"({100 * same / total:.2f} %); prefixes of >= 64 tokens {long_same}/{long_total}; "
               f"recorded margins where it differs: {sorted(missed)}")
-    finally:
-        proc.terminate()
-        proc.wait(10)
     return 0
 
 

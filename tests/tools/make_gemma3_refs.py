@@ -16,6 +16,7 @@ import argparse
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -39,18 +40,28 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,",
 STEPS = 100
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-server", required=True)
-    args = ap.parse_args(argv)
-    path = gemma3_270m_path()
+@contextmanager
+def gemma_server(llama_server: str):
+    """llama-server on the Gemma 3 270M file (one slot of 2048 tokens, 2 threads): its URL."""
     port = free_port()
-    proc = subprocess.Popen([args.llama_server, "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([llama_server, "-m", str(gemma3_270m_path()), "--host", "127.0.0.1", "--port", str(port),
                              "-c", "2048", "-np", "1", "-t", "2", "-tb", "2", "--no-warmup"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True)
+    args = ap.parse_args(argv)
+    path = gemma3_270m_path()
+    with gemma_server(args.llama_server) as url:
         out = {"model": path.name, "gguf_sha256": GEMMA3_SHA256,
                "llama_cpp": httpx.get(url + "/props", timeout=10).json().get("build_info", "unknown"),
                "tokenize": [], "sequences": []}
@@ -71,9 +82,6 @@ def main(argv=None) -> int:
                 "margin": [round(s["top_logprobs"][0]["logprob"] - s["top_logprobs"][1]["logprob"], 4) for s in steps]})
         OUT.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n")
         print(f"{len(out['tokenize'])} strings, {sum(len(s['sampled']) for s in out['sequences'])} steps -> {OUT}")
-    finally:
-        proc.terminate()
-        proc.wait(10)
     return 0
 
 
