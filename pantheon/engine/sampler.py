@@ -201,7 +201,10 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
     x = logits + state.bias[slots]
     # penalties only where a row has one: the counts' [B, V] gather and arithmetic are skipped
-    penalised = lambda: x - b.presence[:, None] * (state.counts[slots] > 0) - b.frequency[:, None] * state.counts[slots]
+    def penalised():
+        counts = state.counts[slots]
+        return x - b.presence[:, None] * (counts > 0) - b.frequency[:, None] * counts
+
     x = jax.lax.cond(jnp.any((b.presence != 0) | (b.frequency != 0)), penalised, lambda: x)
     if b.mask is not None:
         x = jnp.where(unpack_bitmask(b.mask, n_vocab), x, -jnp.inf)
