@@ -19,7 +19,9 @@ On a GPU it writes `gpu_check.json` and `gpu_check.md` under --out:
 `--lower-only` is the CPU part: with every kernel chosen as on CUDA (dispatch.lowering_for), it
 lowers the programs the GPU would compile — the whole decode step of both models (batch 8: every
 layer, the Gated DeltaNet, attention and grouped Q3_K MoE kernels inside them, the head) and their
-512-token prefill layer programs — from abstract shapes, and counts the Triton kernels in each.
+512-token prefill layer programs — from abstract shapes, and counts the Triton kernels in each; and
+the quantized-weight products (pantheon/pallas/qmatmul.py) at an 8 B-shape Q4_K_M file's matrices
+and Qwen3-30B-A3B's Q4_K experts.
 It needs no GPU and no memory for the weights; tests/test_gpu_check.py runs it in CI.
 `--tiny` runs part 2 on whatever backend is present with scaled-down shapes (a check of the
 script itself; its numbers mean nothing).
@@ -109,6 +111,30 @@ def lower_model(name: str, spec, build) -> list[dict]:
             rows.append(_lower(f"{name}: prefill block, {PREFILL_CHUNK} tokens", lambda w, k, v, *a: llama.block(
                 w, (k, v), *a, spec=spec, numerics=EXACT, kv_len=CTX, kernels=kernels),
                 params["layers"][0], state.k[0], state.v[0], x, pos, slots))
+    return rows
+
+
+def lower_quantized_products() -> list[dict]:
+    """Lower the quantized-weight kernels (pantheon/pallas/qmatmul.py) for CUDA at an 8 B-shape
+    Q4_K_M file's dense matrices (decode and a 512-token prefill) and Qwen3-30B-A3B's Q4_K experts."""
+    from gguf.constants import GGMLQuantizationType as T
+    from pantheon.pallas.qmatmul import LAYOUT, QPlanes, grouped_qmatmul, qmatmul
+    from gguf.constants import GGML_QUANT_SIZES
+
+    def planes(qtype, e, n, k):
+        weights, _ = GGML_QUANT_SIZES[qtype]
+        return QPlanes(tuple(jax.ShapeDtypeStruct((e, n, k // weights * (width // np.dtype(dt).itemsize)), dt)
+                             for _, width, dt in LAYOUT[qtype]), int(qtype), k)
+
+    rows = []
+    for qtype, n, k in ((T.Q4_K, 14336, 4096), (T.Q6_K, 4096, 14336), (T.Q5_K, 4096, 4096), (T.Q8_0, 14336, 4096),
+                        (T.Q4_0, 14336, 4096)):
+        for m, bm in ((1, 16), (PREFILL_CHUNK, 64)):
+            rows.append(_lower(f"qmatmul {qtype.name} [{n}, {k}], {m} rows", lambda x, p, bm=bm: qmatmul(x, p, block_m=bm),
+                               jax.ShapeDtypeStruct((m, k), jnp.bfloat16), planes(qtype, 1, n, k)))
+    rows.append(_lower("grouped_qmatmul Q4_K, 128 experts [768, 2048], 64 rows", grouped_qmatmul,
+                       jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128,), jnp.int32),
+                       planes(T.Q4_K, 128, 768, 2048)))
     return rows
 
 
@@ -237,6 +263,7 @@ def main(argv=None) -> int:
     specs = models(args.tiny)
     if args.lower_only:
         report["lowered"] = [r for name, (spec, build) in specs.items() for r in lower_model(name, spec, build)]
+        report["lowered"] += lower_quantized_products()
         failed = sum(r["status"] != "ok" for r in report["lowered"])
     else:
         gpu = jax.default_backend() in dispatch.GPU_BACKENDS

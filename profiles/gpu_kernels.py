@@ -40,12 +40,16 @@ import numpy as np  # noqa: E402
 
 HIDDEN, N_HEAD, N_KV, EXPERTS, TOP_K, FFN, SLOTS, CTX, CHUNK = 2048, 16, 2, 256, 8, 512, 8, 4096, 512
 DN_HEADS, DN_DIM, DN_STEPS = 32, 128, 16  # DeltaNet value heads, Dk = Dv, decode steps per timed call
+DENSE_HIDDEN, DENSE_FFN = 4096, 14336  # Llama-3-8B, for the dense quantized products (a Q4_K_M file's types)
+MOE3_EXPERTS, MOE3_FFN = 128, 768  # Qwen3-30B-A3B's routed experts (hidden 2048, top 8), Q4_K
 INTERPRET = False  # --cpu-smoke: tiny shapes through the Pallas interpreter, to check this script
 
 
 def _smoke_shapes():
     global HIDDEN, EXPERTS, FFN, SLOTS, CTX, CHUNK, INTERPRET, DN_HEADS, DN_DIM, DN_STEPS
+    global DENSE_HIDDEN, DENSE_FFN, MOE3_EXPERTS, MOE3_FFN
     HIDDEN, EXPERTS, FFN, SLOTS, CTX, CHUNK, INTERPRET = 256, 16, 256, 2, 128, 32, True
+    DENSE_HIDDEN, DENSE_FFN, MOE3_EXPERTS, MOE3_FFN = 256, 512, 8, 256
     DN_HEADS, DN_DIM, DN_STEPS = 4, 32, 2
 
 
@@ -174,6 +178,61 @@ def moe_cases(rng):
                    tol=3e-2, relative=True)
 
 
+def random_qplanes(rng, qtype, e, n, k):
+    """Random weights of a GGUF type as device planes (pantheon.pallas.qmatmul): random code bytes,
+    small positive fp16 scales (d, and dmin where the type has one), random 6-bit/int8 sub-scales."""
+    from pantheon.pallas.qmatmul import LAYOUT, QPlanes
+    from gguf.constants import GGML_QUANT_SIZES
+    weights, _ = GGML_QUANT_SIZES[qtype]
+    planes = []
+    for name, width, dtype in LAYOUT[qtype]:
+        items = k // weights * (width // np.dtype(dtype).itemsize)
+        if np.dtype(dtype) == np.float16:
+            planes.append(rng.uniform(2e-4, 1e-3, size=(e, n, items)).astype(np.float16))
+        else:
+            planes.append(rng.integers(0, 256, size=(e, n, items), dtype=np.uint8).view(dtype))
+    return jax.device_put(QPlanes(tuple(planes), int(qtype), k))
+
+
+def qmatmul_cases(rng):
+    """Dense products against an 8 B-shape Q4_K_M file's matrices (Q4_K, Q6_K; Q8_0 and Q4_0 too)
+    read as blocks, at decode (1 and 8 rows) and prefill (512) sizes, against the reference and
+    against today's GPU path (the weight dequantized to bf16 at load, one XLA dot); and Qwen3-30B-
+    A3B's Q4_K experts through the grouped kernel."""
+    from gguf.constants import GGMLQuantizationType as T
+    from pantheon.pallas.moe import route
+    from pantheon.pallas.qmatmul import (dequantize_planes, grouped_qmatmul, grouped_qmatmul_reference, qmatmul,
+                                         qmatmul_reference)
+
+    def bf16_dot(x, w):
+        return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def predequantised(x, p):
+        return (x, jax.jit(lambda p: dequantize_planes(p)[0].astype(jnp.bfloat16))(p))
+
+    for qtype, n, k, role in ((T.Q4_K, DENSE_FFN, DENSE_HIDDEN, "gate"), (T.Q6_K, DENSE_HIDDEN, DENSE_FFN, "down"),
+                              (T.Q8_0, DENSE_FFN, DENSE_HIDDEN, "gate"), (T.Q4_0, DENSE_FFN, DENSE_HIDDEN, "gate")):
+        for m in (1, 8, CHUNK):
+            if m == CHUNK and qtype in (T.Q8_0, T.Q4_0):
+                continue
+
+            def make(qtype=qtype, n=n, k=k, m=m):
+                return (jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), random_qplanes(rng, qtype, 1, n, k))
+            bm = 16 if m <= 16 else 64
+            yield dict(name=f"qmatmul {qtype.name} {role} M{m} N{n} K{k} bf16", make=make,
+                       kernel=jax.jit(partial(qmatmul, block_m=bm, interpret=INTERPRET)), reference=qmatmul_reference,
+                       tol=2e-2, relative=True, extra=("bf16 weights pre-dequantised, XLA dot", predequantised, bf16_dot))
+
+    def make_moe3():
+        _, idx = route(jnp.asarray(rng.standard_normal((SLOTS, MOE3_EXPERTS)), jnp.float32), TOP_K)
+        sizes = jnp.zeros((MOE3_EXPERTS,), jnp.int32).at[idx.reshape(-1)].add(1)
+        x = jnp.asarray(rng.standard_normal((SLOTS * TOP_K, HIDDEN)), jnp.bfloat16)
+        return (x, sizes, random_qplanes(rng, T.Q4_K, MOE3_EXPERTS, MOE3_FFN, HIDDEN))
+    yield dict(name=f"grouped_qmatmul Q4_K decode M{SLOTS * TOP_K} E{MOE3_EXPERTS} N{MOE3_FFN} K{HIDDEN} bf16",
+               make=make_moe3, kernel=jax.jit(partial(grouped_qmatmul, interpret=INTERPRET)),
+               reference=grouped_qmatmul_reference, tol=2e-2, relative=True)
+
+
 def deltanet_cases(rng):
     from pantheon.pallas.deltanet import (gated_delta_rule, gated_delta_rule_reference, gated_delta_rule_step,
                                           gated_delta_rule_step_reference)
@@ -231,7 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=20, help="timed calls per measurement (median reported)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip cases once this much time has passed")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    ap.add_argument("--only", default="attn,moe,deltanet", help="comma list of groups: attn, moe, deltanet")
+    ap.add_argument("--only", default="attn,moe,deltanet,qmm",
+                    help="comma list of groups: attn, moe, deltanet, qmm (quantized dense and grouped products)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script without a GPU: tiny shapes, kernels interpreted (timings meaningless)")
     args = ap.parse_args(argv)
@@ -248,7 +308,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     rng = np.random.default_rng()
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
-    cases = [c for g, fn in (("attn", attention_cases), ("moe", moe_cases), ("deltanet", deltanet_cases))
+    cases = [c for g, fn in (("attn", attention_cases), ("moe", moe_cases), ("deltanet", deltanet_cases),
+                                         ("qmm", qmatmul_cases))
              if g in groups for c in fn(rng)]
     rows, failed = [], 0
     header = f"{'case':58s} {'max err':>10s} {'tol':>7s} {'kernel ms':>10s} {'ref ms':>9s} {'speed-up':>8s}  note"

@@ -13,6 +13,8 @@ from pantheon.gguf.arithmetic import NONE, Q8_0, Q8_K, IntBlocks, int_linear, qu
 from pantheon.model.rope_scaling import RopeScaling
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
 from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qmatmul
+from pantheon.pallas import dispatch
+from pantheon.pallas.qmatmul import QPlanes
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
 # implementation, beside its Pallas kernels (pantheon/pallas/attention.py).
 from pantheon.pallas.attention import attention_reference as gqa_attention  # noqa: F401
@@ -63,9 +65,10 @@ def swiglu_down(gate, up, w_down, scheme: str = NONE) -> jax.Array:
     return linear(silu(gate) * up, w_down, scheme)
 
 
-def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QMatrix | QPlanes | IntBlocks, scheme: str = NONE) -> jax.Array:
     """y = x W with W stored [in, out] (or a QMatrix: quant blocks [out, in], read by the native
-    kernel; or IntBlocks, llama.cpp's integer arithmetic in jnp); x is first rounded per `scheme`
+    kernel; QPlanes: the blocks on a GPU, read by the Pallas kernel; or IntBlocks, llama.cpp's
+    integer arithmetic in jnp); x is first rounded per `scheme`
     (see numerics.py). A bf16 W takes bf16 operands and accumulates in f32 (model/dtypes.py); the
     result is f32 either way."""
     if isinstance(w, QMatrix):
@@ -82,6 +85,9 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | IntBlocks, scheme: str = NONE)
         # against F16/BF16 rows llama.cpp rounds x to their type, then multiplies in f32
         int8 = scheme in (Q8_0, Q8_K)
         return qmatmul(x if int8 else quantize_activations(x, scheme), w, int8_activations=int8)
+    if isinstance(w, QPlanes):  # blocks on the GPU: the Pallas kernel decodes them (dispatch: qmatmul)
+        y = dispatch.quantized_matmul(quantize_activations(x, scheme).reshape(-1, x.shape[-1]), w)
+        return y.reshape(*x.shape[:-1], w.n_out)
     if isinstance(w, IntBlocks):  # loaded for llamacpp numerics: rounds x itself
         return int_linear(x, w)
     x = quantize_activations(x, scheme)
@@ -111,6 +117,8 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     owned by one expert, so a block is a dense matmul against one expert's weights and only chosen
     experts are read (decode: rows = 1, one weight read per assignment)."""
     n, k = experts.shape
+    if any(isinstance(m, QPlanes) for m in (w_gate, w_up, w_down)):
+        return _grouped_planes(x, experts, w_gate, w_up, w_down, schemes)
     n_expert, a = (w_gate.blocks if isinstance(w_gate, QMatrix) else w_gate).shape[0], n * k
     rows = _rows_per_block(a, n_expert)
     n_blocks = (a + min(a, n_expert) * (rows - 1)) // rows  # static bound: each used expert adds < 1 block
@@ -132,3 +140,25 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
 
     y = jax.lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
     return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)
+
+
+def _grouped_planes(x, experts, w_gate, w_up, w_down, schemes):
+    """grouped_experts with experts as QPlanes [X, out, in] (a GPU): the assignments sorted by
+    expert, each role one grouped product over all chosen experts (the Pallas kernel reads a
+    QPlanes role's blocks; a role of another type is dense [X, in, out], lax.ragged_dot)."""
+    n, k = experts.shape
+    flat = experts.reshape(n * k)
+    order = jnp.argsort(flat, stable=True)
+    n_expert = next(m.n_experts for m in (w_gate, w_up, w_down) if isinstance(m, QPlanes))
+    sizes = jnp.bincount(flat, length=n_expert).astype(jnp.int32)
+    xs = x[order // k]
+
+    def product(h, w, scheme):
+        h = quantize_activations(h, scheme)
+        if isinstance(w, QPlanes):
+            return dispatch.quantized_matmul(h, w, sizes)
+        return jax.lax.ragged_dot(h.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
+
+    act = silu(product(xs, w_gate, schemes[0])) * product(xs, w_up, schemes[1])
+    y = product(act, w_down, schemes[2])
+    return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)

@@ -23,6 +23,9 @@ from pantheon.gguf.arithmetic import scheme_for
 from pantheon.model.numerics import Numerics
 from pantheon.native import build as native_build
 from pantheon.native import qmatmul as native
+from pantheon.pallas import qmatmul as gpu_qmatmul
+from pantheon.pallas.dispatch import GPU_BACKENDS
+from pantheon.pallas.qmatmul import QPlanes
 from pantheon.model.sharding import check_divisible, layer_spec
 from pantheon.model.spec import ModelSpec
 
@@ -112,7 +115,8 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True,
     return t
 
 
-def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, numerics: Numerics | None = None) -> dict:
+def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, numerics: Numerics | None = None,
+                device_blocks: bool | None = None) -> dict:
     """The params pytree for `pantheon.model.llama.forward`. `device`: None (the default device),
     a Device, or a Mesh — then layer matrices are split over its dies (see sharding.py). Arrays go
     to the device straight from host numpy (resharding a device array costs a compile). `numerics`
@@ -120,7 +124,14 @@ def load_params(g: GGUFFile, spec: ModelSpec, dtype=jnp.float32, device=None, nu
     no other weights for it (native kernel, or rounded f32: see model/numerics.py).
 
     On the CPU in f32 with the native kernel built, every matrix of a type the kernel reads stays
-    in its quant blocks and no f32 copy of it exists, ever (`_load_resident`)."""
+    in its quant blocks and no f32 copy of it exists, ever (`_load_resident`). On one GPU
+    (`device_blocks`, default: a GPU backend and no mesh) every layer matrix of a type the Pallas
+    kernel reads (pantheon/pallas/qmatmul.py: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) stays in its blocks as
+    QPlanes (`_load_planes`); tests set it on the CPU, where the kernel runs interpreted."""
+    if device_blocks is None:
+        device_blocks = not isinstance(device, Mesh) and jax.default_backend() in GPU_BACKENDS
+    if device_blocks:
+        return _load_planes(g, spec, dtype, device)
     if not isinstance(device, Mesh) and dtype == jnp.float32 and native_build.available():
         return _load_resident(g, spec, device, numerics)
     layers = [{k: (a.T if a.ndim == 2 and k != "router" else a) for k, a in _layer_tensors(g, spec, i).items()}
@@ -160,8 +171,8 @@ def fuse_projections(w: dict, numerics: Numerics) -> dict:
     w = dict(w)
     for fused, parts in FUSED.items():
         got = [w.get(p) for p in parts]
-        if any(m is None for m in got) or len({numerics.scheme(p) for p in parts}) != 1:
-            continue
+        if any(m is None or isinstance(m, QPlanes) for m in got) or len({numerics.scheme(p) for p in parts}) != 1:
+            continue  # (QPlanes stay apart: one kernel call each)
         if all(isinstance(m, native.QMatrix) for m in got):
             if len({(m.qtype, m.n_in) for m in got}) == 1:
                 w[fused] = native.QMatrix(np.concatenate([np.asarray(m.blocks) for m in got]), got[0].qtype, got[0].n_in)
@@ -198,6 +209,42 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
         params["embed"] = put(table if table is not None else load_tensor(g, "token_embd.weight"))
     jax.block_until_ready(params)
     g.release_pages()
+    return params
+
+
+def load_planes(g: GGUFFile, name: str) -> QPlanes | None:
+    """A matrix [out, in] (or experts [X, out, in]) as QPlanes of its blocks, where the Pallas
+    kernel reads its type and its rows tile (out a multiple of 16); else None."""
+    info = g.tensor_info(name)
+    if len(info.shape) not in (2, 3) or info.ggml_type not in gpu_qmatmul.TYPES or info.shape[-2] % 16:
+        return None
+    rows = info.shape[:-1]
+    raw = np.asarray(g.tensor_data(name)).view(np.uint8).reshape(rows[0] if len(rows) == 2 else 1, rows[-1], -1)
+    return gpu_qmatmul.planes_from_blocks(raw, info.ggml_type)
+
+
+def _load_planes(g: GGUFFile, spec: ModelSpec, dtype, device) -> dict:
+    """load_params for one GPU: layer matrices the Pallas kernel reads as QPlanes (no dequantized
+    copy), every other matrix in `dtype` [in, out] (experts [X, in, out]), norms f32; the head and
+    embedding in `dtype` (looked up by column: not read by the kernel yet). Layer by layer."""
+    host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)  # noqa: E731
+    put = lambda tree: jax.device_put(tree, device)  # noqa: E731
+    planes_or_f32 = lambda g, name: load_planes(g, name) or load_tensor(g, name)  # noqa: E731
+    expert_roles = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down": "ffn_down_exps"}
+    layers = []
+    for i in range(spec.n_layer):
+        mats = {k: m if isinstance(m, QPlanes) else host(m.T) for k, m in _matrices(g, spec, i, planes_or_f32).items()}
+        rest = {k: host(a) for k, a in _layer_tensors(g, spec, i, matrices=False).items()}
+        for key, name in expert_roles.items():
+            if key in rest:
+                rest[key] = load_planes(g, f"blk.{i}.{name}.weight") or rest[key]
+        layers.append(jax.block_until_ready(put({**rest, **mats})))
+        g.release_pages()
+    table = load_tensor(g, "token_embd.weight")
+    params = {"head": put(host((table if spec.tied_embeddings else load_tensor(g, "output.weight")).T)),
+              "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
+    if not spec.tied_embeddings:
+        params["embed"] = put(host(table))
     return params
 
 

@@ -16,8 +16,9 @@ One rule for every kernel, so the serve path, the tests and the profile script a
 
 ``kernel_choices()`` reports the current choice per kernel name, for the residency counters.
 Kernels take ``interpret`` as a static argument; ``interpret_flag(mode)`` maps a mode to it.
-``attention_prefill``, ``attention_decode``, ``moe_ffn``, ``deltanet`` and ``deltanet_step`` below
-are the model's entry points: they pick the implementation by these rules and call it.
+``attention_prefill``, ``attention_decode``, ``moe_ffn``, ``deltanet``, ``deltanet_step`` and
+``quantized_matmul`` below are the model's entry points: they pick the implementation by these rules
+and call it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import contextlib
 import contextvars
 
 import jax
+import jax.numpy as jnp
 
 from pantheon.config import ENV_KERNELS, kernel_overrides
 from pantheon.faults import FAULTS
 
-KERNELS = ("attention_prefill", "attention_decode", "moe_q3k", "deltanet")
+KERNELS = ("attention_prefill", "attention_decode", "moe_q3k", "deltanet", "qmatmul")
 MODES = ("pallas", "interpret", "reference", "native")
 NATIVE_KERNELS = ("attention_decode",)  # those with a native CPU implementation (pantheon/native)
 GPU_BACKENDS = frozenset({"cuda", "rocm", "gpu"})
@@ -226,3 +228,18 @@ def deltanet_step(q, k, v, g, beta, state_cache, slots, backend: str | None = No
     if mode == "reference":
         return dn.gated_delta_rule_step_reference(q, k, v, g, beta, state_cache, slots)
     return dn.gated_delta_rule_step(q, k, v, g, beta, state_cache, slots, interpret=interpret_flag(mode))
+
+
+def quantized_matmul(x, p, group_sizes=None, backend: str | None = None, *, mode: str | None = None):
+    """x [M, K] against weights kept in their quant blocks (pantheon.pallas.qmatmul.QPlanes) ->
+    float32 [M, N]: the dense product, or with group_sizes the grouped one (rows sorted by expert)."""
+    from pantheon.pallas import qmatmul as qm
+
+    mode = _mode("qmatmul", backend, mode)
+    if mode == "reference":
+        x = x.astype(jnp.float32)
+        return qm.qmatmul_reference(x, p) if group_sizes is None else qm.grouped_qmatmul_reference(x, group_sizes, p)
+    interpret = interpret_flag(mode)
+    if group_sizes is None:
+        return qm.qmatmul(x, p, block_m=16 if x.shape[0] <= 16 else 64, interpret=interpret, out_dtype=jnp.float32)
+    return qm.grouped_qmatmul(x, group_sizes, p, interpret=interpret, out_dtype=jnp.float32)

@@ -140,13 +140,14 @@ def test_dispatch_defaults():
         assert dispatch.kernel_mode(name, "gpu", env="") == "pallas"
         assert dispatch.kernel_mode(name, "tpu", env="") == "reference"
     assert set(dispatch.kernel_choices("cpu", env="")) == {"attention_prefill", "attention_decode", "moe_q3k",
-                                                          "deltanet"}
+                                                          "deltanet", "qmatmul"}
 
 
 def test_dispatch_overrides(monkeypatch):
     assert dispatch.kernel_choices("cpu", env="interpret") == dict.fromkeys(dispatch.KERNELS, "interpret")
     assert dispatch.kernel_choices("cuda", env="reference, moe_q3k=pallas") == {
-        "attention_prefill": "reference", "attention_decode": "reference", "moe_q3k": "pallas", "deltanet": "reference"}
+        "attention_prefill": "reference", "attention_decode": "reference", "moe_q3k": "pallas", "deltanet": "reference",
+        "qmatmul": "reference"}
     assert dispatch.kernel_mode("attention_decode", "cpu", env="attention_decode=interpret") == "interpret"
     assert dispatch.kernel_mode("attention_prefill", "cpu", env="attention_decode=interpret") == "reference"
     monkeypatch.setenv(ENV_KERNELS, "interpret")
