@@ -24,6 +24,8 @@ from pantheon.model.spec import spec_from_gguf
 from pantheon.model.state import layer_lengths
 from pantheon.native import build as native_build
 from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
+from pantheon.pallas.dispatch import GPU_BACKENDS
+from pantheon.pallas.qmatmul import TYPES as GPU_TYPES, plane_bytes
 
 log = logging.getLogger(__name__)
 LOADING, READY, UNLOADING, FAILED = "loading", "ready", "unloading", "failed"
@@ -48,9 +50,11 @@ class ModelEntry:
 Q3K_PLANE_BYTES = 114 / 110
 
 
-def estimate_device_bytes(path: str, ctx: int, n_slots: int, kv_dtype: str = "auto", numerics: str = "exact") -> int:
+def estimate_device_bytes(path: str, ctx: int, n_slots: int, kv_dtype: str = "auto", numerics: str = "exact",
+                          mesh: bool = False) -> int:
     """The bytes the model in `path` will occupy on its device(s) (`estimate_bytes`), in the
-    compute dtype of this backend (model/dtypes.py: bf16 on a GPU) and its KV cache type."""
+    compute dtype of this backend (model/dtypes.py: bf16 on a GPU) and its KV cache type; on one
+    GPU (not a `mesh` of dies) with the layer matrices the Pallas kernel reads in their blocks."""
     import jax
 
     g = open_gguf(path)
@@ -72,12 +76,13 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int, kv_dtype: str = "au
             pass  # the load refuses the file with its reason; count the whole context here
     return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots,
                           itemsize(compute_dtype(jax.default_backend())),
-                          itemsize(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)), kv_positions)
+                          itemsize(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)), kv_positions,
+                          gpu_blocks=jax.default_backend() in GPU_BACKENDS and not mesh)
 
 
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
                    n_slots: int, itemsize: int = 4, kv_itemsize: int | None = None,
-                   kv_positions: int | None = None) -> int:
+                   kv_positions: int | None = None, gpu_blocks: bool = False) -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
     routed experts whose role stays Q3_K stay in blocks (qwen35moe.q3k_expert_roles: Q3KPlanes), every
     other matrix is dequantized to the compute dtype (`itemsize` bytes; the few kept f32 are
@@ -86,7 +91,8 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     their blocks only (weights._load_resident, either numerics); plus KV of
     `kv_itemsize` bytes a value (default: the compute dtype's) for n_slots + the scratch slot (every layer counted, an upper bound for the
     hybrid's attention-only KV); kv_positions: the positions all layers hold together, where
-    sliding layers hold rings (default n_layer * ctx)."""
+    sliding layers hold rings (default n_layer * ctx). gpu_blocks (one GPU): the layer matrices the
+    Pallas kernel reads stay in blocks as QPlanes (weights._load_planes; pallas/qmatmul.py)."""
     q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items()
                            if expert_role(name)) if arch == "qwen35moe" else frozenset()
     resident = arch != "qwen35moe" and itemsize == 4 and native_build.available()
@@ -96,6 +102,9 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
             weights += int(nbytes * Q3K_PLANE_BYTES)
         elif resident and len(shape) in (2, 3) and qmatmul_supported(kind):  # 3: routed experts in blocks
             weights += decode_bytes(kind, nbytes)
+        elif (gpu_blocks and arch != "qwen35moe" and name.startswith("blk.") and len(shape) in (2, 3)
+              and kind in GPU_TYPES and shape[-2] % 16 == 0):
+            weights += plane_bytes(kind, nbytes)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)
     positions = n_layer * ctx if kv_positions is None else kv_positions
@@ -247,7 +256,7 @@ class ModelPool:
         try:
             need = estimate_device_bytes(config.path, config.ctx_cap,
                                          max(config.max_sessions, config.max_concurrent_configured), config.kv_dtype,
-                                         config.numerics)
+                                         config.numerics, mesh=bool(config.dies) and len(config.dies) > 1)
         except GGUFError as e:
             raise PoolError(500, "load_failed", str(e)) from None
         except (TypeError, ValueError, ArithmeticError):  # odd metadata: the load's spec check names it

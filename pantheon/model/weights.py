@@ -6,8 +6,10 @@ Q2_K..Q6_K as they are, Q5_0/Q5_1 with each code in a byte) is a QMatrix of its 
 copy: decode and short prefill chunks read the blocks in the kernel, longer prefill chunks
 dequantize one matrix at a time inside the program and run XLA's f32 GEMM (layers.linear). Other
 matrices (F32/F16/BF16) are f32, stored [in, out] (x @ W), which XLA:CPU's GEMV streams faster
-than x @ W^T. `params["layers"]` is a list with one dict per layer. A GPU (bf16) or
-a mesh of dies: every matrix in the compute dtype (the quantized-weights work for those is open)."""
+than x @ W^T. `params["layers"]` is a list with one dict per layer. One GPU (bf16): the layer
+matrices and routed experts of the types pantheon/pallas/qmatmul.py reads (Q8_0, Q4_0, Q4_K, Q5_K,
+Q6_K) stay in their blocks as QPlanes, the rest in the compute dtype (`_load_planes`). A mesh of
+dies: every matrix in the compute dtype (blocks split over dies are not built)."""
 
 from __future__ import annotations
 

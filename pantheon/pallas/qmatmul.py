@@ -105,6 +105,12 @@ class QPlanes:
         return self.n_experts * self.n_out * self.n_in // weights * size
 
 
+def plane_bytes(qtype, gguf_bytes: int) -> int:
+    """The device bytes of planes holding `gguf_bytes` of qtype's blocks (for admission)."""
+    qtype = T(qtype)
+    return gguf_bytes * sum(width for _, width, _ in LAYOUT[qtype]) // _block(qtype)[1]
+
+
 def planes_from_blocks(raw, qtype) -> QPlanes:
     """GGUF rows uint8 [E, N, row bytes] (or [N, row bytes]: E = 1) of type qtype -> QPlanes of
     numpy arrays (`jax.device_put` the result)."""

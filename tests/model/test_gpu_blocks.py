@@ -128,3 +128,19 @@ def test_block_with_blocks_lowers_for_cuda(mixed, t):
                                                      kernels=kernels),
                               w, (cache, cache), jax.ShapeDtypeStruct((b, t, spec.n_embd), jnp.float32), i32(b, t), i32(b))
     assert text is None or triton_calls(text) >= 6
+
+
+def test_admission_charges_what_one_gpu_holds(mixed, monkeypatch):
+    """On a GPU the estimate counts the planes' bytes for the matrices the kernel reads (and bf16
+    for the rest): what load_params places, within 2 %; a mesh of dies still expands them."""
+    import jax.numpy as jnp
+
+    from pantheon.engine.pool import estimate_device_bytes
+
+    g = open_gguf(mixed)
+    actual = params_nbytes(load_params(g, spec_from_gguf(g), dtype=jnp.bfloat16, device_blocks=True))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+    per_slot = estimate_device_bytes(str(mixed), 64, 1) - estimate_device_bytes(str(mixed), 64, 0)
+    weights = estimate_device_bytes(str(mixed), 64, 0) - per_slot
+    assert abs(weights - actual) <= 0.02 * actual, (weights, actual)
+    assert estimate_device_bytes(str(mixed), 64, 0, mesh=True) - per_slot > 1.5 * weights
