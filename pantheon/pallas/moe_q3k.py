@@ -103,20 +103,24 @@ class Q3KPlanes:
             raise ValueError(f"{what}: empty weight {self.shape}")
 
 
+def block_rows(raw, size: int, what: str, type_name: str) -> np.ndarray:
+    """GGUF rows uint8 [E, N, nb * size] (or [N, ...]: E = 1) -> their blocks [E, N, nb, size]."""
+    raw = np.asarray(raw)
+    if raw.ndim == 2:
+        raw = raw[None]
+    if raw.dtype != np.uint8 or raw.ndim != 3 or raw.shape[-1] == 0 or raw.shape[-1] % size:
+        raise ValueError(f"{what}: expected uint8 [E, N, blocks * {size}] {type_name} rows, got {raw.dtype}{raw.shape}")
+    e, n, row = raw.shape
+    return raw.reshape(e, n, row // size, size)
+
+
 def q3k_planes_from_blocks(raw) -> Q3KPlanes:
     """GGUF Q3_K tensor data -> Q3KPlanes (numpy arrays; `jax.device_put` the result).
 
     raw: uint8 [E, N, row_bytes], row_bytes = nb * 110, as `GGUFFile.tensor_data` returns an expert
     tensor (numpy view (n_expert, out, in_bytes)). A 2-D [N, row_bytes] weight gives E = 1."""
-    raw = np.asarray(raw)
-    if raw.ndim == 2:
-        raw = raw[None]
-    if raw.dtype != np.uint8 or raw.ndim != 3 or raw.shape[-1] == 0 or raw.shape[-1] % BLOCK_BYTES:
-        raise ValueError(f"q3k_planes_from_blocks: expected uint8 [E, N, nb*{BLOCK_BYTES}] Q3_K rows, "
-                         f"got {raw.dtype}{raw.shape}")
-    e, n, row = raw.shape
-    nb = row // BLOCK_BYTES
-    b = raw.reshape(e, n, nb, BLOCK_BYTES)
+    b = block_rows(raw, BLOCK_BYTES, "q3k_planes_from_blocks", "Q3_K")
+    e, n, nb, _ = b.shape
     sc = np.zeros((e, n, nb, 16), np.uint8)
     sc[..., :12] = b[..., 96:108]
     d = np.ascontiguousarray(b[..., 108:110]).view(np.float16)[..., 0]
@@ -189,12 +193,13 @@ def _gmm_kernel(tile_ref, x_ref, *refs, n_blocks: int, n_experts: int, int_dot: 
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _pick_block_n(n: int, block_n: int) -> int:
+def pick_block_n(n: int, block_n: int, what: str = "grouped_matmul_q3k") -> int:
+    """The column tile: block_n, halved until it divides n (a multiple of 16)."""
     bn = min(block_n, 1 << (n.bit_length() - 1))
     while bn >= 16 and n % bn:
         bn //= 2
     if bn < 16:
-        raise ValueError(f"grouped_matmul_q3k: output size {n} must be a multiple of 16")
+        raise ValueError(f"{what}: output size {n} must be a multiple of 16")
     return bn
 
 
@@ -207,7 +212,7 @@ def gmm_padded(x_pad, tile_expert, planes: Q3KPlanes, *, block_n: int, interpret
         raise ValueError(f"grouped_matmul_q3k: weights {planes.shape} or rows {x_pad.shape} exceed 2**31 elements")
     n_tiles = tile_expert.shape[0]
     bm = x_pad.shape[0] // n_tiles
-    bn = _pick_block_n(n, block_n)
+    bn = pick_block_n(n, block_n)
     nb = planes.n_blocks
     int_dot = x_scale is not None
     kernel = partial(_gmm_kernel, n_blocks=nb, n_experts=e, int_dot=int_dot)

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 
 from pantheon.gguf.quants import dequantize
 from pantheon.pallas.lowering import triton_params
-from pantheon.pallas.moe_q3k import default_block_m, row_layout
+from pantheon.pallas.moe_q3k import block_rows, default_block_m, pick_block_n, row_layout
 
 # qtype -> planes: (name, bytes a GGUF block contributes, dtype) in the order QPlanes holds them
 LAYOUT = {
@@ -118,16 +118,9 @@ def planes_from_blocks(raw, qtype) -> QPlanes:
     if qtype not in LAYOUT:
         raise ValueError(f"planes_from_blocks: no GPU kernel reads {qtype.name} (types: "
                          f"{', '.join(sorted(t.name for t in TYPES))})")
-    raw = np.asarray(raw)
-    if raw.ndim == 2:
-        raw = raw[None]
     weights, size = _block(qtype)
-    if raw.dtype != np.uint8 or raw.ndim != 3 or raw.shape[-1] == 0 or raw.shape[-1] % size:
-        raise ValueError(f"planes_from_blocks: expected uint8 [E, N, blocks * {size}] {qtype.name} rows, "
-                         f"got {raw.dtype}{raw.shape}")
-    e, n, row = raw.shape
-    nb = row // size
-    b = raw.reshape(e, n, nb, size)
+    b = block_rows(raw, size, "planes_from_blocks", qtype.name)
+    e, n, nb, _ = b.shape
     fields = _fields(qtype, b)
     planes = []
     for name, width, dtype in LAYOUT[qtype]:
@@ -259,15 +252,6 @@ def _kernel(tile_ref, x_ref, *refs, qtype: T, steps: int, u: int, n_experts: int
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _pick_block_n(n: int, block_n: int) -> int:
-    bn = min(block_n, 1 << (n.bit_length() - 1))
-    while bn >= 16 and n % bn:
-        bn //= 2
-    if bn < 16:
-        raise ValueError(f"grouped_qmatmul: output size {n} must be a multiple of 16")
-    return bn
-
-
 def _padded(x_pad, tile_expert, p: QPlanes, *, block_n, interpret, out_dtype, num_warps, num_stages):
     e, n, k = p.shape
     qtype = p.type
@@ -275,7 +259,7 @@ def _padded(x_pad, tile_expert, p: QPlanes, *, block_n, interpret, out_dtype, nu
         raise ValueError(f"grouped_qmatmul: weights {p.shape} or rows {x_pad.shape} exceed 2**31 elements")
     n_tiles = tile_expert.shape[0]
     bm = x_pad.shape[0] // n_tiles
-    bn = _pick_block_n(n, block_n)
+    bn = pick_block_n(n, block_n, "grouped_qmatmul")
     u = step_weights(qtype, k)
     kernel = partial(_kernel, qtype=qtype, steps=k // u, u=u, n_experts=e)
     plane_specs = [pl.BlockSpec((e, bn, a.shape[2]), lambda i, j: (0, j, 0)) for a in p.planes]
