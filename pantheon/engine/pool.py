@@ -102,8 +102,8 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
             weights += int(nbytes * Q3K_PLANE_BYTES)
         elif resident and len(shape) in (2, 3) and qmatmul_supported(kind):  # 3: routed experts in blocks
             weights += decode_bytes(kind, nbytes)
-        elif (gpu_blocks and arch != "qwen35moe" and name.startswith("blk.") and len(shape) in (2, 3)
-              and kind in GPU_TYPES and shape[-2] % 16 == 0):
+        elif (gpu_blocks and arch != "qwen35moe" and len(shape) in (2, 3) and kind in GPU_TYPES
+              and shape[-2] % 16 == 0):
             weights += plane_bytes(kind, nbytes)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)

@@ -27,6 +27,8 @@ from pantheon.pallas.moe import route
 from pantheon.gguf.arithmetic import gelu
 from pantheon.model.numerics import Numerics
 from pantheon.native.qmatmul import QMatrix, embed_rows
+from pantheon.pallas.qmatmul import QPlanes
+from pantheon.pallas.qmatmul import embed_rows as embed_planes
 from pantheon.model.spec import ModelSpec
 from pantheon.model.state import KVCache
 from pantheon.model.step import LayerCall, StepInputs, direct
@@ -35,9 +37,11 @@ from pantheon.model.step import LayerCall, StepInputs, direct
 @partial(jax.jit, static_argnames=("spec", "by_column"))
 def embed(table, tokens, *, spec: ModelSpec, by_column: bool = False):
     """tokens int32 [B, T] -> x [B, T, E]. table: [V, E], or the tied head [E, V] with by_column
-    (or, quantized, a QMatrix [V, E] either way)."""
+    (or, quantized, a QMatrix or QPlanes [V, E] either way)."""
     if isinstance(table, QMatrix):
         x = embed_rows(table, tokens)
+    elif isinstance(table, QPlanes):  # [V, E] blocks on a GPU, either way
+        x = embed_planes(table, tokens)
     else:
         x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1) if by_column else table[tokens]
     return x.astype(jnp.float32) * spec.embed_scale  # the residual stream is f32 (model/dtypes.py)

@@ -226,9 +226,9 @@ def load_planes(g: GGUFFile, name: str) -> QPlanes | None:
 
 
 def _load_planes(g: GGUFFile, spec: ModelSpec, dtype, device) -> dict:
-    """load_params for one GPU: layer matrices the Pallas kernel reads as QPlanes (no dequantized
-    copy), every other matrix in `dtype` [in, out] (experts [X, in, out]), norms f32; the head and
-    embedding in `dtype` (looked up by column: not read by the kernel yet). Layer by layer."""
+    """load_params for one GPU: the matrices the Pallas kernel reads as QPlanes (no dequantized copy),
+    the head and embedding too (rows looked up from the planes: qmatmul.embed_rows); every other
+    matrix in `dtype` [in, out] (experts [X, in, out], a head [E, V]), norms f32. Layer by layer."""
     host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)  # noqa: E731
     put = lambda tree: jax.device_put(tree, device)  # noqa: E731
     planes_or_f32 = lambda g, name: load_planes(g, name) or load_tensor(g, name)  # noqa: E731
@@ -242,11 +242,14 @@ def _load_planes(g: GGUFFile, spec: ModelSpec, dtype, device) -> dict:
                 rest[key] = load_planes(g, f"blk.{i}.{name}.weight") or rest[key]
         layers.append(jax.block_until_ready(put({**rest, **mats})))
         g.release_pages()
-    table = load_tensor(g, "token_embd.weight")
-    params = {"head": put(host((table if spec.tied_embeddings else load_tensor(g, "output.weight")).T)),
+    head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
+    head = load_planes(g, head_name)  # [V, E] blocks: multiplied by the kernel, looked up by row when tied
+    params = {"head": put(head if head is not None else host(load_tensor(g, head_name).T)),
               "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
     if not spec.tied_embeddings:
-        params["embed"] = put(host(table))
+        table = load_planes(g, "token_embd.weight")
+        params["embed"] = put(table if table is not None else host(load_tensor(g, "token_embd.weight")))
+    g.release_pages()
     return params
 
 

@@ -178,6 +178,14 @@ def dequantize_planes(p: QPlanes) -> jax.Array:
     return dequantize(planes_to_blocks(p), p.type)
 
 
+def embed_rows(p: QPlanes, tokens: jax.Array) -> jax.Array:
+    """Rows `tokens` (any int shape) of a [V, E] weight held as planes (E = 1), dequantized:
+    float32 [*tokens.shape, E] — the embedding lookup of a table the head also multiplies."""
+    ids = tokens.reshape(-1)
+    rows = QPlanes(tuple(jnp.take(jnp.asarray(a)[0], ids, axis=0)[None] for a in p.planes), p.qtype, p.n_in)
+    return dequantize_planes(rows)[0].reshape(*tokens.shape, p.n_in)
+
+
 # ---- decoding one step of [bn, U] weights inside the kernel -----------------------------------------
 def _iota(shape, axis):
     return lax.broadcasted_iota(jnp.int32, shape, axis)

@@ -30,10 +30,22 @@ MIX = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.attn_output.weight": Q.Q5_K, "blk
        "blk.1.ffn_up.weight": Q.Q4_0, "blk.0.attn_q.weight": Q.Q5_0}
 
 
+PAD_TOKENS = tuple(f"<pad{i}>" for i in range(15))  # 321 + 15 = 336 tokens: the head's rows tile by 16
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("gb") / "mixed.gguf", n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
-                            weight_type=Q.Q4_K, embd_type=Q.Q8_0, type_overrides=MIX, seed=5)
+                            weight_type=Q.Q4_K, embd_type=Q.Q8_0, type_overrides=MIX, seed=5,
+                            extra_tokens=PAD_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """An output matrix apart from the embedding (Q6_K head, Q4_0 embedding)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("gb") / "untied.gguf", n_embd=256, n_head=4, n_head_kv=2,
+                            n_ff=512, weight_type=Q.Q8_0, tied=False, seed=7, extra_tokens=PAD_TOKENS,
+                            type_overrides={"output.weight": Q.Q6_K, "token_embd.weight": Q.Q4_0})
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +90,14 @@ def test_dense_matrices_stay_blocks_and_answer_as_the_cpu_path(mixed, monkeypatc
         {"wk": "Q4_K", "wv": "Q8_0", "wo": "Q4_K", "w_gate": "Q4_K", "w_up": "Q4_K", "w_down": "Q6_K"}
     assert not isinstance(l0["wq"], QPlanes)  # Q5_0: dense
     assert l1["wo"].type.name == "Q5_K" and l1["w_up"].type.name == "Q4_0", types
+    assert params["head"].type.name == "Q8_0" and params["head"].shape == (1, 336, 256)  # tied: looked up by row too
     g = open_gguf(mixed)
     names = [f"blk.{i}.{n}.weight" for i in (0, 1) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                                "ffn_up", "ffn_down")]
     file_bytes = sum(np.asarray(g.tensor_data(n)).nbytes for n in names if n != "blk.0.attn_q.weight")
     held = [m for layer in (l0, l1) for m in layer.values() if isinstance(m, QPlanes)]
+    file_bytes += np.asarray(g.tensor_data("token_embd.weight")).nbytes
+    held.append(params["head"])
     planes_bytes = sum(m.nbytes for m in held)
     assert sum(m.gguf_nbytes for m in held) == file_bytes and planes_bytes <= 1.03 * file_bytes  # not 4 a weight
     assert params_nbytes(params) > planes_bytes
@@ -144,3 +159,10 @@ def test_admission_charges_what_one_gpu_holds(mixed, monkeypatch):
     weights = estimate_device_bytes(str(mixed), 64, 0) - per_slot
     assert abs(weights - actual) <= 0.02 * actual, (weights, actual)
     assert estimate_device_bytes(str(mixed), 64, 0, mesh=True) - per_slot > 1.5 * weights
+
+
+def test_an_untied_head_and_embedding_stay_blocks(untied, monkeypatch):
+    want_prefill, want_steps, _ = run(untied, monkeypatch, device_blocks=False)
+    prefill, steps, params = run(untied, monkeypatch, device_blocks=True, mode="interpret")
+    assert err(prefill, want_prefill) <= TOL and err(steps, want_steps) <= TOL
+    assert params["head"].type.name == "Q6_K" and params["embed"].type.name == "Q4_0"
