@@ -205,6 +205,7 @@ ENV_DTYPE = "PANTHEON_DTYPE"  # auto (default), float32 or bfloat16: model/dtype
 ENV_KERNELS = "PANTHEON_KERNELS"  # kernel modes, e.g. "reference" or "attention_decode=interpret" (pallas/dispatch.py)
 ENV_FULL_STEP = "PANTHEON_FULL_STEP"  # "0": decode through the per-layer programs only (engine/runner.py)
 ENV_NATIVE = "PANTHEON_NATIVE"  # "0": no native CPU kernels (native/build.py)
+ENV_NATIVE_ISA = "PANTHEON_NATIVE_ISA"  # "native" (default) or "avx2": the instruction set they are built for
 ENV_CXX = "CXX"  # the C++ compiler the native kernels are built with
 ENV_NO_TCMALLOC = "PANTHEON_NO_TCMALLOC"  # set: do not re-exec with tcmalloc preloaded (engine/backend.py)
 ENV_FAULTS = "PANTHEON_FAULTS"  # fault injection at start-up (faults.py)
@@ -237,6 +238,15 @@ def full_step_enabled() -> bool:
 
 def native_enabled() -> bool:
     return os.environ.get(ENV_NATIVE, "1").strip() != "0"
+
+
+def native_isa() -> str:
+    """PANTHEON_NATIVE_ISA: "native" (this CPU's instructions, AVX-512 where it has them) or "avx2"
+    (the 8-wide AVX2 paths on any x86 CPU: how CI tests them on an AVX-512 machine)."""
+    value = os.environ.get(ENV_NATIVE_ISA, "native").strip().lower() or "native"
+    if value not in ("native", "avx2"):
+        raise ValueError(f"{ENV_NATIVE_ISA}={value!r}: expected 'native' or 'avx2'")
+    return value
 
 
 def cxx() -> str | None:

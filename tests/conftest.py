@@ -140,6 +140,12 @@ HEAVY = frozenset({
     "tests/web/test_load_cycles.py::test_loads_refused_after_the_weights_were_placed_leave_no_memory_behind",
     "tests/web/test_no_models.py::test_no_models_loaded_is_503_and_health_says_which_load_failed",
     "tests/web/test_request_limits.py::test_a_trickling_body_gets_408_after_the_total_limit",
+    "tests/native/test_isa.py::test_the_avx2_build_passes_the_kernel_tests",
+    "tests/model/test_gpu_blocks.py::test_dense_matrices_stay_blocks_and_answer_as_the_cpu_path",
+    "tests/model/test_gpu_blocks.py::test_routed_q4k_experts_go_through_the_grouped_kernel",
+    "tests/model/test_gpu_blocks.py::test_an_untied_head_and_embedding_stay_blocks",
+    "tests/pallas/test_qmatmul.py::test_dense_kernel_matches_the_reference[Q4_0]",
+    "tests/pallas/test_qmatmul.py::test_dense_kernel_matches_the_reference[Q5_K]",
 })
 
 

@@ -6,8 +6,9 @@ programs as XLA FFI custom calls (jax.ffi), each beside its jnp reference (qmatm
 attention.py). They use XLA's intra-op thread pool, so they add no threads of their own.
 
 The shared library is compiled on first use with the system C++ compiler for this CPU
-(-march=native) and cached under $PANTHEON_HOME/native/ (~/.cache/pantheon/native/), keyed by the sources, the compiler,
-jaxlib and the CPU's flags. The kernels need x86 AVX2 with FMA and F16C (every x86 server CPU since
+(-march=native; PANTHEON_NATIVE_ISA=avx2 builds the 8-wide AVX2 paths instead, which is how the
+tests cover both widths on any machine) and cached under $PANTHEON_HOME/native/ (~/.cache/pantheon/native/), keyed by the sources, the compiler,
+jaxlib, the CPU's flags and that choice. The kernels need x86 AVX2 with FMA and F16C (every x86 server CPU since
 2013). Without a compiler, on other CPUs, or with PANTHEON_NATIVE=0, `available()` is False, with
 the reason in `unavailable_reason()`, and the models run their jnp paths."""
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-from pantheon.config import ENV_NATIVE, cxx, native_enabled
+from pantheon.config import ENV_NATIVE, cxx, native_enabled, native_isa
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ HEADERS = ("common.h", "kquants.h")
 TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_dequantize": "PantheonDequantize",
            "pantheon_attention_decode": "PantheonAttentionDecode"}
 
+# PANTHEON_NATIVE_ISA -> the compiler's target: this CPU, or AVX2 with FMA and F16C only (Haswell's
+# set, which every AVX-512 CPU also runs), so the 8-wide paths are tested on any machine.
+MARCH = {"native": ["-march=native"], "avx2": ["-march=haswell", "-mtune=generic"]}
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -53,6 +57,11 @@ def available() -> bool:
         if "ok" not in _state:
             _state["ok"] = _load()
         return _state["ok"]
+
+
+def vector_width() -> int | None:
+    """f32 lanes of the built kernels' vectors: 16 (AVX-512) or 8 (AVX2); None when not built."""
+    return _state.get("vector_width") if available() else None
 
 
 def unavailable_reason() -> str | None:
@@ -81,7 +90,7 @@ def _build(cxx: str) -> Path:
     for name in SOURCES + HEADERS:
         digest.update((HERE / name).read_bytes())
     # -march=native code must not be reused on a CPU with fewer instructions (a shared cache dir)
-    for part in (version, jaxlib.__version__, platform.machine(), _cpu_flags()):
+    for part in (version, jaxlib.__version__, platform.machine(), _cpu_flags(), native_isa()):
         digest.update(part.encode())
     out = cache_dir() / f"pantheon-native-{digest.hexdigest()[:16]}.so"
     if out.exists():
@@ -91,7 +100,7 @@ def _build(cxx: str) -> Path:
         built = Path(tmp) / out.name
         # -ffp-contract=off: every fused multiply-add is an explicit one (common.h), so a row's
         # arithmetic cannot depend on how the compiler scheduled its tile.
-        cmd = [cxx, "-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC",
+        cmd = [cxx, "-O3", *MARCH[native_isa()], "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC",
                "-isystem", jax.ffi.include_dir(), *(str(HERE / s) for s in SOURCES), "-o", str(built)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
@@ -115,6 +124,7 @@ def _load() -> bool:
     else:
         try:
             lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+            _state["vector_width"] = int(lib.pantheon_vector_width())
             for target, symbol in TARGETS.items():
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
             return True

@@ -447,3 +447,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("qtype"));
+
+// f32 lanes of the vectors these kernels were built with (build.vector_width): 16 with AVX-512, else 8.
+extern "C" int pantheon_vector_width() { return pantheon::kW; }
