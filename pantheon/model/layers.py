@@ -86,7 +86,8 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | QPlanes | IntBlocks, scheme: s
         int8 = scheme in (Q8_0, Q8_K)
         return qmatmul(x if int8 else quantize_activations(x, scheme), w, int8_activations=int8)
     if isinstance(w, QPlanes):  # blocks on the GPU: the Pallas kernel decodes them (dispatch: qmatmul)
-        y = dispatch.quantized_matmul(quantize_activations(x, scheme).reshape(-1, x.shape[-1]), w)
+        h = quantize_activations(x, scheme).astype(w.compute)
+        y = dispatch.quantized_matmul(h.reshape(-1, x.shape[-1]), w)
         return y.reshape(*x.shape[:-1], w.n_out)
     if isinstance(w, IntBlocks):  # loaded for llamacpp numerics: rounds x itself
         return int_linear(x, w)
@@ -156,7 +157,7 @@ def _grouped_planes(x, experts, w_gate, w_up, w_down, schemes):
     def product(h, w, scheme):
         h = quantize_activations(h, scheme)
         if isinstance(w, QPlanes):
-            return dispatch.quantized_matmul(h, w, sizes)
+            return dispatch.quantized_matmul(h.astype(w.compute), w, sizes)
         return jax.lax.ragged_dot(h.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
 
     act = silu(product(xs, w_gate, schemes[0])) * product(xs, w_up, schemes[1])

@@ -214,15 +214,16 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     return params
 
 
-def load_planes(g: GGUFFile, name: str) -> QPlanes | None:
+def load_planes(g: GGUFFile, name: str, dtype=jnp.float32) -> QPlanes | None:
     """A matrix [out, in] (or experts [X, out, in]) as QPlanes of its blocks, where the Pallas
-    kernel reads its type and its rows tile (out a multiple of 16); else None."""
+    kernel reads its type and its rows tile (out a multiple of 16); else None. dtype: the compute
+    dtype its activations enter the product in."""
     info = g.tensor_info(name)
     if len(info.shape) not in (2, 3) or info.ggml_type not in gpu_qmatmul.TYPES or info.shape[-2] % 16:
         return None
     rows = info.shape[:-1]
     raw = np.asarray(g.tensor_data(name)).view(np.uint8).reshape(rows[0] if len(rows) == 2 else 1, rows[-1], -1)
-    return gpu_qmatmul.planes_from_blocks(raw, info.ggml_type)
+    return gpu_qmatmul.planes_from_blocks(raw, info.ggml_type, jnp.dtype(dtype).name)
 
 
 def _load_planes(g: GGUFFile, spec: ModelSpec, dtype, device) -> dict:
@@ -231,7 +232,7 @@ def _load_planes(g: GGUFFile, spec: ModelSpec, dtype, device) -> dict:
     matrix in `dtype` [in, out] (experts [X, in, out], a head [E, V]), norms f32. Layer by layer."""
     host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)  # noqa: E731
     put = lambda tree: jax.device_put(tree, device)  # noqa: E731
-    planes_or_f32 = lambda g, name: load_planes(g, name) or load_tensor(g, name)  # noqa: E731
+    planes_or_f32 = lambda g, name: load_planes(g, name, dtype) or load_tensor(g, name)  # noqa: E731
     expert_roles = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down": "ffn_down_exps"}
     layers = []
     for i in range(spec.n_layer):
@@ -239,15 +240,15 @@ def _load_planes(g: GGUFFile, spec: ModelSpec, dtype, device) -> dict:
         rest = {k: host(a) for k, a in _layer_tensors(g, spec, i, matrices=False).items()}
         for key, name in expert_roles.items():
             if key in rest:
-                rest[key] = load_planes(g, f"blk.{i}.{name}.weight") or rest[key]
+                rest[key] = load_planes(g, f"blk.{i}.{name}.weight", dtype) or rest[key]
         layers.append(jax.block_until_ready(put({**rest, **mats})))
         g.release_pages()
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
-    head = load_planes(g, head_name)  # [V, E] blocks: multiplied by the kernel, looked up by row when tied
+    head = load_planes(g, head_name, dtype)  # [V, E] blocks: multiplied by the kernel, looked up by row when tied
     params = {"head": put(head if head is not None else host(load_tensor(g, head_name).T)),
               "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
     if not spec.tied_embeddings:
-        table = load_planes(g, "token_embd.weight")
+        table = load_planes(g, "token_embd.weight", dtype)
         params["embed"] = put(table if table is not None else host(load_tensor(g, "token_embd.weight")))
     g.release_pages()
     return params

@@ -27,6 +27,7 @@ Q4_0 (q - 8) * d — the reference's values (a GPU compiler may fuse a multiply-
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -69,15 +70,17 @@ def step_weights(qtype: T, n_in: int) -> int:
     raise ValueError(f"{qtype.name}: {n_in} inputs is not a multiple of 32")
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["planes"], meta_fields=["qtype", "n_in"])
+@partial(jax.tree_util.register_dataclass, data_fields=["planes"], meta_fields=["qtype", "n_in", "compute"])
 @dataclass(frozen=True)
 class QPlanes:
     """Weights W [E, N, K] of GGUF type `qtype` as device planes (see the module docstring): one
-    array [E, N, K / block weights * plane width] per LAYOUT entry (f16 planes count in halves)."""
+    array [E, N, K / block weights * plane width] per LAYOUT entry (f16 planes count in halves).
+    compute: the dtype the model's activations enter the product in (bfloat16 on a GPU)."""
 
     planes: tuple
     qtype: int = field(default=int(T.Q8_0))
     n_in: int = 0
+    compute: str = "float32"
 
     @property
     def type(self) -> T:
@@ -111,9 +114,9 @@ def plane_bytes(qtype, gguf_bytes: int) -> int:
     return gguf_bytes * sum(width for _, width, _ in LAYOUT[qtype]) // _block(qtype)[1]
 
 
-def planes_from_blocks(raw, qtype) -> QPlanes:
+def planes_from_blocks(raw, qtype, compute: str = "float32") -> QPlanes:
     """GGUF rows uint8 [E, N, row bytes] (or [N, row bytes]: E = 1) of type qtype -> QPlanes of
-    numpy arrays (`jax.device_put` the result)."""
+    numpy arrays (`jax.device_put` the result); compute: QPlanes.compute."""
     qtype = T(qtype)
     if qtype not in LAYOUT:
         raise ValueError(f"planes_from_blocks: no GPU kernel reads {qtype.name} (types: "
@@ -128,7 +131,7 @@ def planes_from_blocks(raw, qtype) -> QPlanes:
         if part.shape[-1] < width:  # zero padding to the plane's power-of-2 width
             part = np.concatenate([part, np.zeros((*part.shape[:-1], width - part.shape[-1]), np.uint8)], -1)
         planes.append(np.ascontiguousarray(part).view(dtype).reshape(e, n, -1))
-    return QPlanes(tuple(planes), int(qtype), nb * weights)
+    return QPlanes(tuple(planes), int(qtype), nb * weights, compute)
 
 
 def _fields(qtype: T, b: np.ndarray) -> dict[str, np.ndarray]:
@@ -182,7 +185,7 @@ def embed_rows(p: QPlanes, tokens: jax.Array) -> jax.Array:
     """Rows `tokens` (any int shape) of a [V, E] weight held as planes (E = 1), dequantized:
     float32 [*tokens.shape, E] — the embedding lookup of a table the head also multiplies."""
     ids = tokens.reshape(-1)
-    rows = QPlanes(tuple(jnp.take(jnp.asarray(a)[0], ids, axis=0)[None] for a in p.planes), p.qtype, p.n_in)
+    rows = dataclasses.replace(p, planes=tuple(jnp.take(jnp.asarray(a)[0], ids, axis=0)[None] for a in p.planes))
     return dequantize_planes(rows)[0].reshape(*tokens.shape, p.n_in)
 
 

@@ -166,3 +166,24 @@ def test_an_untied_head_and_embedding_stay_blocks(untied, monkeypatch):
     prefill, steps, params = run(untied, monkeypatch, device_blocks=True, mode="interpret")
     assert err(prefill, want_prefill) <= TOL and err(steps, want_steps) <= TOL
     assert params["head"].type.name == "Q6_K" and params["embed"].type.name == "Q4_0"
+
+
+def test_a_bf16_load_multiplies_bf16_activations(mixed, monkeypatch):
+    """On a GPU the activations enter the product in the compute dtype (bf16), as the dense bf16
+    path's did; the result stays f32 and within bf16 rounding of the f32 product."""
+    import jax.numpy as jnp
+
+    from pantheon.model.layers import linear
+
+    monkeypatch.setenv(ENV_KERNELS, "qmatmul=interpret")
+    g = open_gguf(mixed)
+    w = load_params(g, spec_from_gguf(g), dtype=jnp.bfloat16, device_blocks=True)["layers"][0]["w_gate"]
+    assert w.compute == "bfloat16"
+    seen = []
+    padded = gpu_qmatmul._padded
+    monkeypatch.setattr(gpu_qmatmul, "_padded", lambda x, *a, **k: seen.append(x.dtype) or padded(x, *a, **k))
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    got = np.asarray(linear(jnp.asarray(x), w))
+    want = x.astype(np.float64) @ np.asarray(gpu_qmatmul.dequantize_planes(w))[0].T.astype(np.float64)
+    assert got.dtype == np.float32 and seen == [jnp.bfloat16]
+    assert err(got, want) <= 2e-2 * np.abs(want).max()
