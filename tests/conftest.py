@@ -144,6 +144,7 @@ HEAVY = frozenset({
     "tests/model/test_gpu_blocks.py::test_dense_matrices_stay_blocks_and_answer_as_the_cpu_path",
     "tests/model/test_gpu_blocks.py::test_routed_q4k_experts_go_through_the_grouped_kernel",
     "tests/model/test_gpu_blocks.py::test_an_untied_head_and_embedding_stay_blocks",
+    "tests/model/test_gpu_blocks.py::test_phi3_fused_projections_split_into_blocks",
     "tests/pallas/test_qmatmul.py::test_dense_kernel_matches_the_reference[Q4_0]",
     "tests/pallas/test_qmatmul.py::test_dense_kernel_matches_the_reference[Q5_K]",
 })

@@ -13,6 +13,8 @@ dies: every matrix in the compute dtype (blocks split over dies are not built)."
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +67,10 @@ def _split_rows(a, sections: list[int]) -> list:
         return [None] * (len(sections) + 1)
     if isinstance(a, native.QMatrix):
         return [native.QMatrix(b, a.qtype, a.n_in) for b in np.split(a.blocks, sections)]
+    if isinstance(a, QPlanes):  # rows split in every plane; a part whose rows do not tile by 16 is dense
+        parts = zip(*(np.split(np.asarray(p), sections, axis=1) for p in a.planes))
+        return [dataclasses.replace(a, planes=tuple(ps)) if ps[0].shape[1] % 16 == 0
+                else np.asarray(gpu_qmatmul.dequantize_planes(dataclasses.replace(a, planes=tuple(ps))))[0] for ps in parts]
     return np.split(a, sections)
 
 
@@ -82,7 +88,8 @@ def _matrices(g: GGUFFile, spec: ModelSpec, i: int, load) -> dict:
         qkv, up = load(g, p + "attn_qkv.weight"), load(g, p + "ffn_up.weight")
         q_rows = spec.n_head * spec.head_dim
         t["wq"], t["wk"], t["wv"] = _split_rows(qkv, [q_rows, q_rows + spec.kv_dim])
-        t["w_gate"], t["w_up"] = _split_rows(up, [up.shape[0] // 2] if up is not None else [0])
+        rows = up.n_out if isinstance(up, QPlanes) else up.shape[0] if up is not None else 0
+        t["w_gate"], t["w_up"] = _split_rows(up, [rows // 2])
     else:
         for key, name in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"),
                           ("w_gate", "ffn_gate"), ("w_up", "ffn_up")):

@@ -187,3 +187,15 @@ def test_a_bf16_load_multiplies_bf16_activations(mixed, monkeypatch):
     want = x.astype(np.float64) @ np.asarray(gpu_qmatmul.dequantize_planes(w))[0].T.astype(np.float64)
     assert got.dtype == np.float32 and seen == [jnp.bfloat16]
     assert err(got, want) <= 2e-2 * np.abs(want).max()
+
+
+def test_phi3_fused_projections_split_into_blocks(tmp_path, monkeypatch):
+    """phi3 files fuse q/k/v and gate/up: the loader splits the planes' rows (a part whose rows do
+    not tile by 16 becomes dense) and the model answers as the CPU path."""
+    path = write_tiny_llama(tmp_path / "phi3.gguf", arch="phi3", n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+                            weight_type=Q.Q8_0, seed=9, extra_tokens=("<|end|>", "<s>", "</s>", "<unk>", *PAD_TOKENS[:11]))
+    want_prefill, want_steps, _ = run(path, monkeypatch, device_blocks=False)
+    prefill, steps, params = run(path, monkeypatch, device_blocks=True, mode="interpret")
+    assert err(prefill, want_prefill) <= TOL and err(steps, want_steps) <= TOL
+    layer = params["layers"][0]
+    assert all(isinstance(layer[k], QPlanes) for k in ("wq", "wk", "wv", "w_gate", "w_up"))
