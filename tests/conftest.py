@@ -145,6 +145,7 @@ HEAVY = frozenset({
     "tests/model/test_gpu_blocks.py::test_routed_q4k_experts_go_through_the_grouped_kernel",
     "tests/model/test_gpu_blocks.py::test_an_untied_head_and_embedding_stay_blocks",
     "tests/model/test_gpu_blocks.py::test_phi3_fused_projections_split_into_blocks",
+    "tests/test_gpu_check.py::test_the_kernel_script_runs_the_quantized_products_interpreted",
     "tests/pallas/test_qmatmul.py::test_dense_kernel_matches_the_reference[Q4_0]",
     "tests/pallas/test_qmatmul.py::test_dense_kernel_matches_the_reference[Q5_K]",
 })

@@ -49,3 +49,16 @@ def test_tiny_model_run_reports_speed_and_residency(tmp_path):
         assert m["single"]["tok_s"] > 0 and m["batch8"]["tok_s"] > 0 and m["prefill_tok_s"] > 0
         assert m["graphs"]["failed"] == 0 and m["graphs"]["segment"]["live"] >= 2
         assert m["attention"]["total"] >= 1 and 0 < m["batch8"]["bytes_per_step"]
+
+
+def test_the_kernel_script_runs_the_quantized_products_interpreted(tmp_path):
+    """profiles/gpu_kernels.py's `qmm` group (dense 8 B-shape Q4_K_M products and Q4_K experts,
+    timed on a GPU) at its --cpu-smoke shapes: every case runs and matches its reference."""
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "profiles" / "gpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "k.json"
+    assert module.main(["--cpu-smoke", "--only", "qmm", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 11 and all(r["status"] == "ok" for r in rows), rows
+    assert {r["name"].split()[1] for r in rows if r["name"].startswith("qmatmul ")} == {"Q4_K", "Q6_K", "Q8_0", "Q4_0"}
