@@ -25,7 +25,7 @@ from pantheon.model.state import layer_lengths
 from pantheon.native import build as native_build
 from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
 from pantheon.pallas.dispatch import GPU_BACKENDS
-from pantheon.pallas.qmatmul import TYPES as GPU_TYPES, plane_bytes
+from pantheon.pallas.qmatmul import holds as gpu_holds, plane_bytes
 
 log = logging.getLogger(__name__)
 LOADING, READY, UNLOADING, FAILED = "loading", "ready", "unloading", "failed"
@@ -102,8 +102,7 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
             weights += int(nbytes * Q3K_PLANE_BYTES)
         elif resident and len(shape) in (2, 3) and qmatmul_supported(kind):  # 3: routed experts in blocks
             weights += decode_bytes(kind, nbytes)
-        elif (gpu_blocks and arch != "qwen35moe" and len(shape) in (2, 3) and kind in GPU_TYPES
-              and shape[-2] % 16 == 0):
+        elif gpu_blocks and arch != "qwen35moe" and gpu_holds(kind, shape):
             weights += plane_bytes(kind, nbytes)
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)

@@ -98,9 +98,10 @@ def _matrices(g: GGUFFile, spec: ModelSpec, i: int, load) -> dict:
 
 
 def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True,
-                   expert_blocks: bool = False) -> dict[str, np.ndarray]:
+                   expert_blocks=None) -> dict[str, np.ndarray]:
     """One layer's tensors as f32 numpy (without its matrices when `matrices` is False); routed
-    experts as their blocks with `expert_blocks` where the kernel reads their type."""
+    experts as `expert_blocks(g, name)` gives them where it gives them (blocks a kernel reads:
+    load_blocks on the CPU, load_planes on a GPU), else f32."""
     p = f"blk.{i}."
     t = {"attn_norm": load_tensor(g, p + "attn_norm.weight"), "ffn_norm": load_tensor(g, p + "ffn_norm.weight"),
          **(_matrices(g, spec, i, load_tensor) if matrices else {})}
@@ -115,7 +116,7 @@ def _layer_tensors(g: GGUFFile, spec: ModelSpec, i: int, matrices: bool = True,
         # [X, in, out] for layers.grouped_experts (their blocks are not read by a kernel yet).
         t["router"] = np.ascontiguousarray(load_tensor(g, p + "ffn_gate_inp.weight").T)
         for key, name in (("exp_gate", "ffn_gate_exps"), ("exp_up", "ffn_up_exps"), ("exp_down", "ffn_down_exps")):
-            blocks = load_blocks(g, p + name + ".weight") if expert_blocks else None
+            blocks = expert_blocks(g, p + name + ".weight") if expert_blocks else None
             t[key] = blocks if blocks is not None else \
                 np.ascontiguousarray(np.swapaxes(load_tensor(g, p + name + ".weight"), 1, 2))
     if p + "attn_q.bias" in g.tensors:
@@ -206,7 +207,7 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     for i in range(spec.n_layer):
         mats = {k: m if isinstance(m, native.QMatrix) else np.ascontiguousarray(m.T)
                 for k, m in _matrices(g, spec, i, blocks_or_f32).items()}
-        layers.append(jax.block_until_ready(put({**_layer_tensors(g, spec, i, matrices=False, expert_blocks=True),
+        layers.append(jax.block_until_ready(put({**_layer_tensors(g, spec, i, matrices=False, expert_blocks=load_blocks),
                                                  **fuse_projections(mats, fusing)})))
         g.release_pages()  # the layer is copied out: its file pages leave the RSS
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
@@ -226,7 +227,7 @@ def load_planes(g: GGUFFile, name: str, dtype=jnp.float32) -> QPlanes | None:
     kernel reads its type and its rows tile (out a multiple of 16); else None. dtype: the compute
     dtype its activations enter the product in."""
     info = g.tensor_info(name)
-    if len(info.shape) not in (2, 3) or info.ggml_type not in gpu_qmatmul.TYPES or info.shape[-2] % 16:
+    if not gpu_qmatmul.holds(info.ggml_type, info.shape):
         return None
     rows = info.shape[:-1]
     raw = np.asarray(g.tensor_data(name)).view(np.uint8).reshape(rows[0] if len(rows) == 2 else 1, rows[-1], -1)
@@ -239,15 +240,13 @@ def _load_planes(g: GGUFFile, spec: ModelSpec, dtype, device) -> dict:
     matrix in `dtype` [in, out] (experts [X, in, out], a head [E, V]), norms f32. Layer by layer."""
     host = lambda a: np.ascontiguousarray(a.astype(dtype) if a.ndim > 1 else a)  # noqa: E731
     put = lambda tree: jax.device_put(tree, device)  # noqa: E731
-    planes_or_f32 = lambda g, name: load_planes(g, name, dtype) or load_tensor(g, name)  # noqa: E731
-    expert_roles = {"exp_gate": "ffn_gate_exps", "exp_up": "ffn_up_exps", "exp_down": "ffn_down_exps"}
+    planes = lambda g, name: load_planes(g, name, dtype)  # noqa: E731
     layers = []
     for i in range(spec.n_layer):
-        mats = {k: m if isinstance(m, QPlanes) else host(m.T) for k, m in _matrices(g, spec, i, planes_or_f32).items()}
-        rest = {k: host(a) for k, a in _layer_tensors(g, spec, i, matrices=False).items()}
-        for key, name in expert_roles.items():
-            if key in rest:
-                rest[key] = load_planes(g, f"blk.{i}.{name}.weight", dtype) or rest[key]
+        mats = {k: m if isinstance(m, QPlanes) else host(m.T)
+                for k, m in _matrices(g, spec, i, lambda g, name: planes(g, name) or load_tensor(g, name)).items()}
+        rest = {k: a if isinstance(a, QPlanes) else host(a)
+                for k, a in _layer_tensors(g, spec, i, matrices=False, expert_blocks=planes).items()}
         layers.append(jax.block_until_ready(put({**rest, **mats})))
         g.release_pages()
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"

@@ -108,6 +108,12 @@ class QPlanes:
         return self.n_experts * self.n_out * self.n_in // weights * size
 
 
+def holds(ggml_type, shape) -> bool:
+    """Whether a GGUF tensor of this type and shape (numpy order) stays in blocks on a GPU: a matrix
+    [out, in] or experts [X, out, in] of a type the kernel reads, whose rows tile by 16."""
+    return len(shape) in (2, 3) and ggml_type in TYPES and shape[-2] % 16 == 0
+
+
 def plane_bytes(qtype, gguf_bytes: int) -> int:
     """The device bytes of planes holding `gguf_bytes` of qtype's blocks (for admission)."""
     qtype = T(qtype)
@@ -124,7 +130,7 @@ def planes_from_blocks(raw, qtype, compute: str = "float32") -> QPlanes:
     weights, size = _block(qtype)
     b = block_rows(raw, size, "planes_from_blocks", qtype.name)
     e, n, nb, _ = b.shape
-    fields = _fields(qtype, b)
+    fields = {name: b[..., at:at + used] for name, (at, used) in _OFFSETS[qtype].items()}
     planes = []
     for name, width, dtype in LAYOUT[qtype]:
         part = fields[name]
@@ -132,19 +138,6 @@ def planes_from_blocks(raw, qtype, compute: str = "float32") -> QPlanes:
             part = np.concatenate([part, np.zeros((*part.shape[:-1], width - part.shape[-1]), np.uint8)], -1)
         planes.append(np.ascontiguousarray(part).view(dtype).reshape(e, n, -1))
     return QPlanes(tuple(planes), int(qtype), nb * weights, compute)
-
-
-def _fields(qtype: T, b: np.ndarray) -> dict[str, np.ndarray]:
-    """A block's byte fields by plane name (b [..., block bytes]), before padding."""
-    if qtype == T.Q8_0:
-        return {"d": b[..., 0:2], "qs": b[..., 2:34]}
-    if qtype == T.Q4_0:
-        return {"d": b[..., 0:2], "qs": b[..., 2:18]}
-    if qtype == T.Q4_K:
-        return {"dm": b[..., 0:4], "sc": b[..., 4:16], "qs": b[..., 16:144]}
-    if qtype == T.Q5_K:
-        return {"dm": b[..., 0:4], "sc": b[..., 4:16], "qh": b[..., 16:48], "qs": b[..., 48:176]}
-    return {"ql": b[..., 0:128], "qh": b[..., 128:192], "sc": b[..., 192:208], "d": b[..., 208:210]}
 
 
 # where each field sits in a GGUF block (start byte), and how many bytes of its plane it fills
