@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <memory>
 
 #include "common.h"
 
@@ -373,6 +375,191 @@ inline void q6k_ktile(const float* x, const uint8_t* wrow, float* y, int64_t N, 
   }
   for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = k_hsum(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PANTHEON_FIXED_K 1
+// ---- AVX-512 VNNI: x as 23-bit fixed point, exact integer products ------------------------------
+// Q4_K, Q5_K and Q6_K at one row were bound by the f32 kernel's instructions: every code converted
+// to f32 and multiplied in f32. Here each 32 of x share a power of two: x = X * 2^(e-22) with
+// |x| < 2^e, X an integer of at most 23 bits (rounded to nearest), held as three int8 planes (X =
+// c2 * 2^16 + c1 * 2^8 + c0, c0 and c1 in -128..127). A sub-block's dot product is then an exact
+// integer sum: vpdpbusd multiplies 64 codes by 64 plane bytes a instruction, the planes combined in
+// int32 (c2's sums shifted before c1's are added, then c0's: at most 2^30 for Q6_K's 6-bit codes);
+// one conversion and one multiply-add apply d * sc (per lane: its sub-block's) times x's power of
+// two. Only x's rounding to 23 bits of its 32-block's largest element differs from f32 (error <=
+// 2^-23 of that element, per element), below f32's own summation error at these lengths
+// (test_native). A row's sums run over the same vectors in the same order in every tile, so a row
+// never depends on its batch. 4096 x 2048, one Zen 4 thread, one row / four: Q4_K 476 -> 359 /
+// 972 -> 1110 us, Q6_K 684-760 -> 341-400 / 1630-1815 -> 1080-1250 us.
+constexpr bool fixed_k(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+
+// x's rows: per 64 weights, planes c2, c1, c0 (64 bytes each, weight order); per 256, 16 f32
+// lanes of each sub-block's power of two relative to its row's largest, 2^(e - e_row) (`sub` 32:
+// lanes 0-7, the rest 1; 16: lane i holds its 32's), NaN for a 32 that holds a NaN or an
+// infinity, so the product is NaN as the f32 one would be; per row, 2^(e_row - 22), which scales
+// its results once (the sums run relative to the row's largest 32, so no scale is subnormal where
+// the row is not: a row of 1e-30 keeps its precision). 3.25 bytes a weight.
+struct FixedRows {
+  const int8_t* planes;     // [M * K / 64, 192]
+  const float* scale;       // [M * K / 256, 16]
+  const float* row_scale;   // [M]
+};
+
+// xsum: the rounded x's sums per `sub` (the min or -32 term), relative to the row as the products
+// are: exact integer sums scaled once, so the product is the weights' exact product with the
+// rounded x up to f32's rounding of the sums.
+inline void fixed_rows(const float* x, int64_t M, int64_t K, int64_t sub, int8_t* planes, float* scale, float* row_scale,
+                       float* xsum) {
+  constexpr int kNone = -1000;  // a 32 of zeros
+  std::unique_ptr<int[]> exps(new int[K / 32]);
+  for (int64_t m = 0; m < M; ++m) {
+    int e_row = kNone;
+    bool row_finite = true;
+    for (int64_t i = 0; i < K / 32; ++i) {  // each 32's exponent: its largest |x| < 2^e
+      const float* xg = x + m * K + 32 * i;
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const bool finite = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_sub_ps(a, a), _mm512_sub_ps(b, b)), _mm512_setzero_ps(), _CMP_EQ_OQ) == 0xFFFF;
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      int e = kNone;
+      if (finite && amax > 0.f) std::frexp(amax, &e);
+      exps[i] = e, row_finite = row_finite && finite, e_row = e > e_row ? e : e_row;
+      if (!finite) exps[i] = kNone - 1;
+    }
+    if (e_row == kNone) e_row = 0;
+    row_scale[m] = std::ldexp(1.f, e_row - 22);
+    for (int64_t i = 0; i < K / 32; ++i) {
+      const int64_t g = m * (K / 32) + i;  // the 32's index over all rows
+      const int e = exps[i] < kNone ? 0 : exps[i] == kNone ? e_row : exps[i];
+      const float rel = exps[i] < kNone ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.f, e - e_row);
+      // x * 2^(22-e) is exact (a power of two, in range for every finite f32 once taken in two steps)
+      const __m512 s1 = _mm512_set1_ps(std::ldexp(1.f, (22 - e) / 2)), s2 = _mm512_set1_ps(std::ldexp(1.f, (22 - e) - (22 - e) / 2));
+      const float* xg = x + 32 * g;
+      int8_t* p = planes + 192 * (g / 2) + 32 * (g % 2);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i X = exps[i] < kNone ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * h), s1), s2));
+        const int32_t total = _mm512_reduce_add_epi32(X);  // |X| <= 2^22: 16 of them fit
+        if (sub == 16) xsum[2 * g + h] = static_cast<float>(total) * rel;
+        else if (h == 0) xsum[g] = static_cast<float>(total);
+        else xsum[g] = (xsum[g] + static_cast<float>(total)) * rel;  // the two halves' sum: exact below 2^24
+        const __m512i c0 = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);  // the low byte, signed
+        const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, c0), 8);
+        const __m512i c1 = _mm512_srai_epi32(_mm512_slli_epi32(X1, 24), 24);
+        const __m512i c2 = _mm512_srai_epi32(_mm512_sub_epi32(X1, c1), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * h), _mm512_cvtepi32_epi8(c2));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 64 + 16 * h), _mm512_cvtepi32_epi8(c1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 128 + 16 * h), _mm512_cvtepi32_epi8(c0));
+      }
+      float* sv = scale + 16 * (g / 8);
+      if (sub == 32)
+        sv[g % 8] = rel, sv[8 + g % 8] = 1.f;
+      else
+        sv[2 * (g % 8)] = sv[2 * (g % 8) + 1] = rel;
+    }
+  }
+}
+
+// The exact integer dot of 64 codes (u8) with a 64-weight span's three planes, per 4 weights (16
+// int32 lanes), as f32.
+inline __m512 fixed_dot(__m512i codes, const int8_t* p) {
+  __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(p));
+  d = _mm512_dpbusd_epi32(_mm512_slli_epi32(d, 8), codes, _mm512_loadu_si512(p + 64));
+  d = _mm512_dpbusd_epi32(_mm512_slli_epi32(d, 8), codes, _mm512_loadu_si512(p + 128));
+  return _mm512_cvtepi32_ps(d);
+}
+
+// Per 16-bit word, a shift for the low 256 bits and another for the high.
+inline __m512i halves16(int lo, int hi) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(lo)), _mm256_set1_epi16(static_cast<short>(hi)), 1);
+}
+
+// Weights 64q..64q+63 of a super-block as unsigned codes in weight order: Q4_K 0..15, Q5_K 0..31,
+// Q6_K 0..63 (before ggml's -32). Q4_K/Q5_K: the 32 bytes of sub-blocks 2q and 2q+1 in both
+// halves, low nibbles kept in the low half and high ones in the high; Q5_K's fifth bit (qh bits 2q,
+// 2q+1) shifted to bit 4. Q6_K: 64 bytes of ql (low nibbles for the first 64 of a 128, high for
+// the second) and qh's 2-bit pairs moved to bits 4-5. Word shifts move bits across bytes; the masks
+// keep only the bits that belong.
+template <int64_t t>
+inline __m512i fixed_codes(const uint8_t* b, int q) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  constexpr int kOr = 0xEC;  // vpternlog: (a & c) | b
+  if constexpr (t == kQ6_K) {
+    const int h = q / 2, v = q % 2;
+    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+    const __m512i high = _mm512_and_si512(v ? _mm512_srlv_epi16(qh, halves16(0, 2)) : _mm512_sllv_epi16(qh, halves16(4, 2)),
+                                          _mm512_set1_epi8(0x30));
+    return _mm512_ternarylogic_epi32(v ? _mm512_srli_epi16(ql, 4) : ql, high, m4, kOr);
+  } else {
+    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (t == kQ4_K ? 16 : 48) + 32 * q)));
+    const __m512i low = _mm512_srlv_epi16(raw, halves16(0, 4));
+    if constexpr (t == kQ4_K) return _mm512_and_si512(low, m4);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+    const __m512i bit = q < 2 ? _mm512_sllv_epi16(qh, halves16(4 - 2 * q, 3 - 2 * q)) : _mm512_srlv_epi16(qh, halves16(2 * q - 4, 2 * q - 3));
+    return _mm512_ternarylogic_epi32(low, _mm512_and_si512(bit, _mm512_set1_epi8(0x10)), m4, kOr);
+  }
+}
+
+// R rows m0.. of output column n. xsum: x's sums per sub-block (Q4_K/Q5_K: the min term, per 32;
+// Q6_K: its -32, per 16).
+template <int64_t t, int64_t R>
+inline void fixed_ktile(const FixedRows& xf, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
+                        int64_t m0, int64_t n) {
+  constexpr int64_t bb = k_bytes(t);
+  constexpr bool six = t == kQ6_K;
+  // lane -> sub-block within a span: 32-weight sub-blocks 2 a span (lane / 8), 16-weight ones 4 (lane / 4)
+  const __m512i lane_sub = six ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                               : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[R], macc6[R];  // macc6: Q6_K's -32 term
+  __m256 macc[R];           // Q4_K/Q5_K's min term
+  for (int64_t r = 0; r < R; ++r) acc[r] = macc6[r] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < K / 256; ++j) {
+    const uint8_t* b = wrow + j * bb;
+    prefetch_block<bb>(b);
+    // Q4_K/Q5_K: d * sc (lanes 0-7), dmin * mn (8-15); Q6_K: d * sc per 16
+    const __m512 s16 = six ? _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))))
+                           : q4k_scales16(b);
+    __m512 sx[R];  // per row: d * sc * x's power of two, by sub-block
+    for (int64_t r = 0; r < R; ++r) sx[r] = _mm512_mul_ps(s16, _mm512_loadu_ps(xf.scale + 16 * (((m0 + r) * K) / 256 + j)));
+    for (int q = 0; q < 4; ++q) {
+      const __m512i codes = fixed_codes<t>(b, q);
+      const __m512i lanes = _mm512_add_epi32(lane_sub, _mm512_set1_epi32(six ? 4 * q : 2 * q));
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t span = ((m0 + r) * K + j * 256) / 64 + q;
+        acc[r] = _mm512_fmadd_ps(fixed_dot(codes, xf.planes + 192 * span), _mm512_permutexvar_ps(lanes, sx[r]), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      if constexpr (six)  // sum_s (d * sc_s) * sum(x over s), times 32 at the end
+        macc6[r] = _mm512_fmadd_ps(s16, _mm512_loadu_ps(xsum + (m0 + r) * (K / 16) + 16 * j), macc6[r]);
+      else  // sum_s (dmin * mn_s) * sum(x over s)
+        macc[r] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(s16, 1), _mm256_loadu_ps(xsum + (m0 + r) * (K / 32) + 8 * j), macc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    y[(m0 + r) * N + n] = (k_hsum(acc[r]) - (six ? 32.f * k_hsum(macc6[r]) : hsum((v8f)macc[r]))) * xf.row_scale[m0 + r];
+}
+
+template <int64_t t>
+void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
+                   int64_t n0, int64_t n1) {
+  const int64_t row_bytes = K / 256 * k_bytes(t);
+  tiled_columns<4>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+    fixed_ktile<t, decltype(R)::value>(xf, xsum, w + n * row_bytes, y, N, K, m0, n);
+  });
+}
+
+inline void fixed_columns(int64_t t, const FixedRows& xf, const float* xsum, const uint8_t* w, float* y, int64_t M,
+                          int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  switch (t) {
+    case kQ4_K: fixed_columns<kQ4_K>(xf, xsum, w, y, M, N, K, n0, n1); break;
+    case kQ5_K: fixed_columns<kQ5_K>(xf, xsum, w, y, M, N, K, n0, n1); break;
+    default: fixed_columns<kQ6_K>(xf, xsum, w, y, M, N, K, n0, n1); break;
+  }
+}
+#else
+constexpr bool fixed_k(int64_t) { return false; }
+#endif
 #else  // AVX2: ktile's conversions (vpermps looks up 8 entries there, not 16)
 constexpr bool lut_k(int64_t) { return false; }
 inline void lut_order(bool, const float*, float*, int64_t, int64_t) {}

@@ -316,12 +316,22 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
   }
   const int64_t sub = k_sub(qtype);  // the min terms' sums of x over each sub-block
   std::unique_ptr<float[]> xsum(new float[M * (K / sub) + 1]);
+  const float* xs = xsum.get();
+#if defined(PANTHEON_FIXED_K)
+  if (fixed_k(qtype)) {  // x as 23-bit fixed point, exact integer products (kquants.h)
+    std::unique_ptr<int8_t[]> planes(new int8_t[M * K * 3 + 1]);
+    std::unique_ptr<float[]> scale(new float[M * K / 16 + 1]), row_scale(new float[M + 1]);
+    fixed_rows(xp, M, K, sub, planes.get(), scale.get(), row_scale.get(), xsum.get());
+    const FixedRows xf{planes.get(), scale.get(), row_scale.get()};
+    parallel_for(pool, threads, N, chunk, [&](int64_t n0, int64_t n1) { fixed_columns(qtype, xf, xs, wp, yp, M, N, K, n0, n1); });
+    return ffi::Error::Success();
+  }
+#endif
   for (int64_t i = 0; i < M * (K / sub); ++i) {
     float s = 0.f;
     for (int64_t k = 0; k < sub; ++k) s += xp[i * sub + k];
     xsum[i] = s;
   }
-  const float* xs = xsum.get();
   std::unique_ptr<float[]> xl;
   if (lut_k(qtype)) {  // x in the order the lookups produce the codes
     xl.reset(new float[M * K + 1]);
