@@ -383,17 +383,19 @@ inline void q6k_ktile(const float* x, const uint8_t* wrow, float* y, int64_t N, 
 // to f32 and multiplied in f32. Here each 32 of x share a power of two: x = X * 2^(e-22) with
 // |x| < 2^e, X an integer of at most 23 bits (rounded to nearest), held as three int8 planes (X =
 // c2 * 2^16 + c1 * 2^8 + c0, c0 and c1 in -128..127). A sub-block's dot product is then an exact
-// integer sum: vpdpbusd multiplies 64 codes by 64 plane bytes a instruction, the planes combined in
-// int32 (c2's sums shifted before c1's are added, then c0's: at most 2^30 for Q6_K's 6-bit codes);
-// one conversion and one multiply-add apply d * sc (per lane: its sub-block's) times x's power of
-// two. Only x's rounding to 23 bits of its 32-block's largest element differs from f32 (error <=
-// 2^-23 of that element, per element), below f32's own summation error at these lengths
-// (test_native). A row's sums run over the same vectors in the same order in every tile, so a row
-// never depends on its batch. 4096 x 2048, one Zen 4 thread, one row / four: Q4_K 476 -> 359 /
-// 972 -> 1110 us, Q6_K 684-760 -> 341-400 / 1630-1815 -> 1080-1250 us.
+// integer sum: vpdpbusd multiplies 64 codes by 64 plane bytes an instruction, the planes' sums
+// combined in int32 (c2's shifted before c1's are added, then c0's); one conversion and one
+// multiply-add apply d * sc times x's power of two. Only x's rounding to 23 bits of its 32's
+// largest element differs from the f32 product; measured against float64, the error is the f32
+// kernel's or smaller (test_native). A row's sums run over the same vectors in the same order in
+// every tile, so a row never depends on its batch. 8192 x 2048 (cold, two Zen 4 threads), one row /
+// four, f32 kernel -> this: Q4_K 0.54 -> 0.35 / 1.44 -> 0.80 ms, Q6_K 0.73 -> 0.39 / 1.50 -> 1.01;
+// the 1 B-shape Q4_K_M decode step 42-43 -> 31 ms.
 constexpr bool fixed_k(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
 
-// x's rows: per 64 weights, planes c2, c1, c0 (64 bytes each, weight order); per 256, 16 f32
+// x's rows: per 64 weights, planes c2, c1, c0 (64 bytes each; in weight order for Q6_K, `sub` 16;
+// for Q4_K/Q5_K, `sub` 32, a super-block's four vectors v hold weights 32 s + 8 v + i at byte
+// 8 s + i, so that every vector's int32 lane L sums sub-block L / 2); per 256, 16 f32
 // lanes of each sub-block's power of two relative to its row's largest, 2^(e - e_row) (`sub` 32:
 // lanes 0-7, the rest 1; 16: lane i holds its 32's), NaN for a 32 that holds a NaN or an
 // infinity, so the product is NaN as the f32 one would be; per row, 2^(e_row - 22), which scales
@@ -414,7 +416,6 @@ inline void fixed_rows(const float* x, int64_t M, int64_t K, int64_t sub, int8_t
   std::unique_ptr<int[]> exps(new int[K / 32]);
   for (int64_t m = 0; m < M; ++m) {
     int e_row = kNone;
-    bool row_finite = true;
     for (int64_t i = 0; i < K / 32; ++i) {  // each 32's exponent: its largest |x| < 2^e
       const float* xg = x + m * K + 32 * i;
       const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
@@ -422,7 +423,7 @@ inline void fixed_rows(const float* x, int64_t M, int64_t K, int64_t sub, int8_t
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       int e = kNone;
       if (finite && amax > 0.f) std::frexp(amax, &e);
-      exps[i] = e, row_finite = row_finite && finite, e_row = e > e_row ? e : e_row;
+      exps[i] = e, e_row = e > e_row ? e : e_row;
       if (!finite) exps[i] = kNone - 1;
     }
     if (e_row == kNone) e_row = 0;
@@ -434,7 +435,14 @@ inline void fixed_rows(const float* x, int64_t M, int64_t K, int64_t sub, int8_t
       // x * 2^(22-e) is exact (a power of two, in range for every finite f32 once taken in two steps)
       const __m512 s1 = _mm512_set1_ps(std::ldexp(1.f, (22 - e) / 2)), s2 = _mm512_set1_ps(std::ldexp(1.f, (22 - e) - (22 - e) / 2));
       const float* xg = x + 32 * g;
-      int8_t* p = planes + 192 * (g / 2) + 32 * (g % 2);
+      // natural order: 32s at 32 (g % 2) of their 64's planes; by sub-block: 8-weight pieces v of
+      // sub-block s at 8 s of the super-block's vector v
+      int8_t* p = sub == 16 ? planes + 192 * (g / 2) + 32 * (g % 2) : planes + 768 * (g / 8) + 8 * (g % 8);
+      const auto put = [&](int8_t* at, int h, __m128i bytes) {
+        if (sub == 16) return _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 16 * h), bytes);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(at + 192 * (2 * h)), bytes);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(at + 192 * (2 * h + 1)), _mm_unpackhi_epi64(bytes, bytes));
+      };
       for (int h = 0; h < 2; ++h) {
         const __m512i X = exps[i] < kNone ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * h), s1), s2));
         const int32_t total = _mm512_reduce_add_epi32(X);  // |X| <= 2^22: 16 of them fit
@@ -445,9 +453,7 @@ inline void fixed_rows(const float* x, int64_t M, int64_t K, int64_t sub, int8_t
         const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, c0), 8);
         const __m512i c1 = _mm512_srai_epi32(_mm512_slli_epi32(X1, 24), 24);
         const __m512i c2 = _mm512_srai_epi32(_mm512_sub_epi32(X1, c1), 8);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * h), _mm512_cvtepi32_epi8(c2));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 64 + 16 * h), _mm512_cvtepi32_epi8(c1));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 128 + 16 * h), _mm512_cvtepi32_epi8(c0));
+        put(p, h, _mm512_cvtepi32_epi8(c2)), put(p + 64, h, _mm512_cvtepi32_epi8(c1)), put(p + 128, h, _mm512_cvtepi32_epi8(c0));
       }
       float* sv = scale + 16 * (g / 8);
       if (sub == 32)
@@ -472,72 +478,100 @@ inline __m512i halves16(int lo, int hi) {
   return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(lo)), _mm256_set1_epi16(static_cast<short>(hi)), 1);
 }
 
-// Weights 64q..64q+63 of a super-block as unsigned codes in weight order: Q4_K 0..15, Q5_K 0..31,
-// Q6_K 0..63 (before ggml's -32). Q4_K/Q5_K: the 32 bytes of sub-blocks 2q and 2q+1 in both
-// halves, low nibbles kept in the low half and high ones in the high; Q5_K's fifth bit (qh bits 2q,
-// 2q+1) shifted to bit 4. Q6_K: 64 bytes of ql (low nibbles for the first 64 of a 128, high for
-// the second) and qh's 2-bit pairs moved to bits 4-5. Word shifts move bits across bytes; the masks
-// keep only the bits that belong.
-template <int64_t t>
-inline __m512i fixed_codes(const uint8_t* b, int q) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  constexpr int kOr = 0xEC;  // vpternlog: (a & c) | b
-  if constexpr (t == kQ6_K) {
-    const int h = q / 2, v = q % 2;
-    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
-    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-    const __m512i high = _mm512_and_si512(v ? _mm512_srlv_epi16(qh, halves16(0, 2)) : _mm512_sllv_epi16(qh, halves16(4, 2)),
-                                          _mm512_set1_epi8(0x30));
-    return _mm512_ternarylogic_epi32(v ? _mm512_srli_epi16(ql, 4) : ql, high, m4, kOr);
-  } else {
-    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (t == kQ4_K ? 16 : 48) + 32 * q)));
-    const __m512i low = _mm512_srlv_epi16(raw, halves16(0, 4));
-    if constexpr (t == kQ4_K) return _mm512_and_si512(low, m4);
-    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
-    const __m512i bit = q < 2 ? _mm512_sllv_epi16(qh, halves16(4 - 2 * q, 3 - 2 * q)) : _mm512_srlv_epi16(qh, halves16(2 * q - 4, 2 * q - 3));
-    return _mm512_ternarylogic_epi32(low, _mm512_and_si512(bit, _mm512_set1_epi8(0x10)), m4, kOr);
-  }
+// Q6_K's weights 64 q .. 64 q + 63 as unsigned codes (0..63, before ggml's -32) in weight order: 64
+// bytes of ql (low nibbles for the first 64 of a 128, high for the second) and qh's 2-bit pairs
+// moved to bits 4-5. Word shifts move bits across bytes; the mask keeps only those that belong.
+inline __m512i fixed_codes6(const uint8_t* b, int q) {
+  const int h = q / 2, v = q % 2;
+  const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+  const __m512i high = _mm512_and_si512(v ? _mm512_srlv_epi16(qh, halves16(0, 2)) : _mm512_sllv_epi16(qh, halves16(4, 2)),
+                                        _mm512_set1_epi8(0x30));
+  return _mm512_ternarylogic_epi32(v ? _mm512_srli_epi16(ql, 4) : ql, high, _mm512_set1_epi8(0x0F), 0xEC);  // (a & c) | b
 }
 
-// R rows m0.. of output column n. xsum: x's sums per sub-block (Q4_K/Q5_K: the min term, per 32;
-// Q6_K: its -32, per 16).
+// Q4_K/Q5_K, the codes in x's sub-block order (fixed_rows, `sub` 32): every vector's lane L sums
+// 4 codes of sub-block L / 2, so a super-block's four vectors add up in int32 with no scale between
+// them (each plane's 16 products a lane: at most 16 * 31 * 2^22 < 2^31 once combined), and the
+// sums are combined, converted and scaled once a super-block, not once a vector: per row 12
+// vpdpbusd and 6 other operations a super-block. Vector v's codes: qword v of each 32-byte group
+// of qs (a transpose, one vpermt2q), low nibbles for the even sub-block, high for the odd; Q5_K's
+// fifth bit for sub-block s is bit s of qh's byte 8 v + i.
+template <int64_t t>
+inline __m512i fixed_codes32(__m512i z0, __m512i z1, const uint8_t* b, int v) {
+  const __m512i idx = _mm512_setr_epi64(v, v, 4 + v, 4 + v, 8 + v, 8 + v, 12 + v, 12 + v);
+  const __m512i raw = _mm512_permutex2var_epi64(z0, idx, z1);
+  const __m512i low = _mm512_and_si512(_mm512_srlv_epi64(raw, _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4)), _mm512_set1_epi8(0x0F));
+  if constexpr (t == kQ4_K) return low;
+  uint64_t h8;
+  std::memcpy(&h8, b + 16 + 8 * v, 8);
+  const __m512i bit = _mm512_slli_epi64(_mm512_srlv_epi64(_mm512_set1_epi64(static_cast<long long>(h8)), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7)), 4);
+  return _mm512_ternarylogic_epi32(low, bit, _mm512_set1_epi8(0x10), 0xF8);  // a | (b & c)
+}
+
 template <int64_t t, int64_t R>
-inline void fixed_ktile(const FixedRows& xf, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
-                        int64_t m0, int64_t n) {
+inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
+                          int64_t m0, int64_t n) {
   constexpr int64_t bb = k_bytes(t);
-  constexpr bool six = t == kQ6_K;
-  // lane -> sub-block within a span: 32-weight sub-blocks 2 a span (lane / 8), 16-weight ones 4 (lane / 4)
-  const __m512i lane_sub = six ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                               : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512 acc[R], macc6[R];  // macc6: Q6_K's -32 term
-  __m256 macc[R];           // Q4_K/Q5_K's min term
-  for (int64_t r = 0; r < R; ++r) acc[r] = macc6[r] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
+  const __m512i lane_sub = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  __m512 acc[R];
+  __m256 macc[R];  // the min term
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
   for (int64_t j = 0; j < K / 256; ++j) {
     const uint8_t* b = wrow + j * bb;
     prefetch_block<bb>(b);
-    // Q4_K/Q5_K: d * sc (lanes 0-7), dmin * mn (8-15); Q6_K: d * sc per 16
-    const __m512 s16 = six ? _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),
-                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))))
-                           : q4k_scales16(b);
+    const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
+    const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+    __m512i codes[4];
+    for (int v = 0; v < 4; ++v) codes[v] = fixed_codes32<t>(z0, z1, b, v);
+    const __m512 s16 = q4k_scales16(b);  // d * sc (lanes 0-7), dmin * mn (8-15)
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* p = xf.planes + 768 * (((m0 + r) * K) / 256 + j);
+      __m512i d2 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512(), d0 = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        d2 = _mm512_dpbusd_epi32(d2, codes[v], _mm512_loadu_si512(p + 192 * v));
+        d1 = _mm512_dpbusd_epi32(d1, codes[v], _mm512_loadu_si512(p + 192 * v + 64));
+        d0 = _mm512_dpbusd_epi32(d0, codes[v], _mm512_loadu_si512(p + 192 * v + 128));
+      }
+      const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(d2, 8), d1), 8), d0);
+      const __m512 sx = _mm512_mul_ps(s16, _mm512_loadu_ps(xf.scale + 16 * (((m0 + r) * K) / 256 + j)));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(lane_sub, sx), acc[r]);
+      macc[r] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(s16, 1), _mm256_loadu_ps(xsum + (m0 + r) * (K / 32) + 8 * j), macc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = (k_hsum(acc[r]) - hsum((v8f)macc[r])) * xf.row_scale[m0 + r];
+}
+
+// Q6_K in weight order (`sub` 16): 64 codes a vector, lanes 4 i .. 4 i + 3 sub-block 4 q + i; each
+// vector's three planes combined in int32 (4 products a lane: at most 4 * 63 * 2^22) and scaled at
+// once. (Codes in sub-block order, as Q4_K's, cost more to gather from ql/qh than they save: 0.39
+// -> 0.51 ms for an 8192 x 2048 product at one row.) xsum: x's sums per 16, for ggml's -32.
+template <int64_t R>
+inline void fixed_ktile16(const FixedRows& xf, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
+                          int64_t m0, int64_t n) {
+  constexpr int64_t bb = k_bytes(kQ6_K);
+  const __m512i lane_sub = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[R], macc[R];  // macc: the -32 term
+  for (int64_t r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K / 256; ++j) {
+    const uint8_t* b = wrow + j * bb;
+    prefetch_block<bb>(b);
+    const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),  // d * sc per 16
+                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
     __m512 sx[R];  // per row: d * sc * x's power of two, by sub-block
     for (int64_t r = 0; r < R; ++r) sx[r] = _mm512_mul_ps(s16, _mm512_loadu_ps(xf.scale + 16 * (((m0 + r) * K) / 256 + j)));
     for (int q = 0; q < 4; ++q) {
-      const __m512i codes = fixed_codes<t>(b, q);
-      const __m512i lanes = _mm512_add_epi32(lane_sub, _mm512_set1_epi32(six ? 4 * q : 2 * q));
+      const __m512i codes = fixed_codes6(b, q);
+      const __m512i lanes = _mm512_add_epi32(lane_sub, _mm512_set1_epi32(4 * q));
       for (int64_t r = 0; r < R; ++r) {
         const int64_t span = ((m0 + r) * K + j * 256) / 64 + q;
         acc[r] = _mm512_fmadd_ps(fixed_dot(codes, xf.planes + 192 * span), _mm512_permutexvar_ps(lanes, sx[r]), acc[r]);
       }
     }
-    for (int64_t r = 0; r < R; ++r) {
-      if constexpr (six)  // sum_s (d * sc_s) * sum(x over s), times 32 at the end
-        macc6[r] = _mm512_fmadd_ps(s16, _mm512_loadu_ps(xsum + (m0 + r) * (K / 16) + 16 * j), macc6[r]);
-      else  // sum_s (dmin * mn_s) * sum(x over s)
-        macc[r] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(s16, 1), _mm256_loadu_ps(xsum + (m0 + r) * (K / 32) + 8 * j), macc[r]);
-    }
+    for (int64_t r = 0; r < R; ++r)  // sum_s (d * sc_s) * sum(x over s), times 32 at the end
+      macc[r] = _mm512_fmadd_ps(s16, _mm512_loadu_ps(xsum + (m0 + r) * (K / 16) + 16 * j), macc[r]);
   }
-  for (int64_t r = 0; r < R; ++r)
-    y[(m0 + r) * N + n] = (k_hsum(acc[r]) - (six ? 32.f * k_hsum(macc6[r]) : hsum((v8f)macc[r]))) * xf.row_scale[m0 + r];
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = (k_hsum(acc[r]) - 32.f * k_hsum(macc[r])) * xf.row_scale[m0 + r];
 }
 
 template <int64_t t>
@@ -545,7 +579,10 @@ void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, flo
                    int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 256 * k_bytes(t);
   tiled_columns<4>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
-    fixed_ktile<t, decltype(R)::value>(xf, xsum, w + n * row_bytes, y, N, K, m0, n);
+    if constexpr (t == kQ6_K)
+      fixed_ktile16<decltype(R)::value>(xf, xsum, w + n * row_bytes, y, N, K, m0, n);
+    else
+      fixed_ktile32<t, decltype(R)::value>(xf, xsum, w + n * row_bytes, y, N, K, m0, n);
   });
 }
 
