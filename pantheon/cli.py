@@ -309,7 +309,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-NUMERICS_HELP = ("exact: f32 activations, the right answers and batch-invariant; llamacpp: round activations "
+NUMERICS_HELP = ("exact: f32 activations (K-quant products on AVX-512 VNNI: 23-bit fixed point per 32, exact integer "
+                 "sums), the right answers and batch-invariant; llamacpp: round activations "
                  "to 8-bit blocks as llama.cpp's quantized matmuls do (reproduces llama.cpp's tokens; batch "
                  "composition can flip near-ties)")
 KV_DTYPE_HELP = ("the KV cache's type: auto (on the CPU f16, as llama.cpp, or f32 with --numerics llamacpp; bf16 "
