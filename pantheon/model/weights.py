@@ -203,12 +203,17 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     fusing = numerics_for(g, spec)  # by the file's types, whatever the numerics mode
     blocks_or_f32 = lambda g, name: load_blocks(g, name) or load_tensor(g, name)  # noqa: E731
     put = lambda tree: jax.device_put(tree, device)  # noqa: E731
+    # Long rows' K-quant blocks K-tile-major for the fixed-point kernel (exact numerics; qmatmul.tile_k)
+    tiling = numerics is not None and numerics.mode == "exact" and native_build.fixed_point()
+    tiled = lambda m: native.tile_k(m) if (tiling and isinstance(m, native.QMatrix) and m.qtype in native.TILEABLE  # noqa: E731
+                                             and m.blocks.ndim == 2 and m.n_in >= native.TILE_MIN_IN) else m
     layers = []
     for i in range(spec.n_layer):
         mats = {k: m if isinstance(m, native.QMatrix) else np.ascontiguousarray(m.T)
                 for k, m in _matrices(g, spec, i, blocks_or_f32).items()}
+        mats = {k: tiled(m) for k, m in fuse_projections(mats, fusing).items()}
         layers.append(jax.block_until_ready(put({**_layer_tensors(g, spec, i, matrices=False, expert_blocks=load_blocks),
-                                                 **fuse_projections(mats, fusing)})))
+                                                 **mats})))
         g.release_pages()  # the layer is copied out: its file pages leave the RSS
     head_name = "token_embd.weight" if spec.tied_embeddings else "output.weight"
     head = load_blocks(g, head_name)

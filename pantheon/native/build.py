@@ -64,6 +64,12 @@ def vector_width() -> int | None:
     return _state.get("vector_width") if available() else None
 
 
+def fixed_point() -> bool:
+    """Whether the built K-quant kernels take x as 23-bit fixed point (AVX-512 VNNI) and so read
+    K-tiled blocks (qmatmul.tile_k); False when not built."""
+    return bool(_state.get("fixed_point")) if available() else False
+
+
 def unavailable_reason() -> str | None:
     return None if available() else _state.get("reason")
 
@@ -125,6 +131,7 @@ def _load() -> bool:
         try:
             lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
             _state["vector_width"] = int(lib.pantheon_vector_width())
+            _state["fixed_point"] = bool(lib.pantheon_fixed_point())
             for target, symbol in TARGETS.items():
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
             return True

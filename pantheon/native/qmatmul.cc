@@ -296,6 +296,10 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
 // K-quant super-blocks (kquants.h): f32 activations, or 8-bit ones rounded to Q8_K.
 ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
                    ffi::ResultBuffer<ffi::F32>& y, int64_t qtype, int64_t int8_activations) {
+  const bool tiled = is_tiled(qtype);  // read only by the fixed-point kernel (exact numerics)
+  if (tiled) qtype -= kTiled;
+  if (tiled && (int8_activations || !fixed_k(qtype)))
+    return ffi::Error::InvalidArgument("qmatmul: K-tiled blocks are read with f32 activations by the AVX-512 VNNI kernel only");
   const auto xd = x.dimensions(), wd = w.dimensions();
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   if (K % 256 != 0 || wd[1] != K / 256 * k_bytes(qtype)) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
@@ -323,7 +327,7 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
     std::unique_ptr<float[]> scale(new float[M * K / 16 + 1]), row_scale(new float[M + 1]);
     fixed_rows(xp, M, K, sub, planes.get(), scale.get(), row_scale.get(), xsum.get());
     const FixedRows xf{planes.get(), scale.get(), row_scale.get()};
-    parallel_for(pool, threads, N, chunk, [&](int64_t n0, int64_t n1) { fixed_columns(qtype, xf, xs, wp, yp, M, N, K, n0, n1); });
+    parallel_for(pool, threads, N, chunk, [&](int64_t n0, int64_t n1) { fixed_columns(qtype, xf, xs, wp, tiled, yp, M, N, K, n0, n1); });
     return ffi::Error::Success();
   }
 #endif
@@ -346,7 +350,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
                    ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
-  if (is_k(qtype)) return KMatmul(pool, x, w, y, qtype, int8_activations);
+  if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, x, w, y, qtype, int8_activations);
   const int64_t M = xd[0], K = xd[1], N = wd[0], bb = block_bytes(qtype);
   if (bb == 0) return ffi::Error::InvalidArgument("qmatmul: unsupported quant type");
   if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
@@ -382,14 +386,13 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 // jnp reference, exactly: one multiply and one add or subtract per weight, nothing fused). A
 // prefill chunk of many rows is compute-bound: XLA's f32 GEMM runs on these, one matrix at a time.
 template <int64_t t>
-void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n1) {
+void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n1, bool tiled = false, int64_t N = 0) {
   if constexpr (is_k(t)) {
-    const int64_t row_bytes = K / 256 * k_bytes(t);
     constexpr int per_sub = static_cast<int>(k_sub(t) / 8);
     SuperBlock sb;
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t j = 0; j < K / 256; ++j) {
-        codes_k<t>(w + n * row_bytes + j * k_bytes(t), sb);
+        codes_k<t>(w + block_offset(tiled, n, j, N, K / 256, k_bytes(t)), sb);
         float* o = out + n * K + j * 256;
         for (int v = 0; v < 32; ++v)
           store8(o + 8 * v, code_f32(sb, v) * (v8f{} + sb.scale[v / per_sub]) - (v8f{} + sb.min[v / per_sub]));
@@ -412,6 +415,8 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<
   const auto wd = w.dimensions(), od = out->dimensions();
   if (wd.size() != 2 || od.size() != 2 || wd[0] != od[0]) return ffi::Error::InvalidArgument("dequantize: bad shapes");
   const int64_t N = od[0], K = od[1];
+  const bool tiled = is_tiled(qtype);
+  if (tiled) qtype -= kTiled;
   const bool k = is_k(qtype);
   const int64_t bytes = k ? k_bytes(qtype) : block_bytes(qtype), per = k ? 256 : 32;
   if (bytes == 0 || K % per != 0 || wd[1] != K / per * bytes) return ffi::Error::InvalidArgument("dequantize: bad type");
@@ -429,10 +434,10 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<
       case kBF16: dequant_rows<kBF16>(wp, op, K, n0, n1); break;
       case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1); break;
       case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1); break;
-      case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1); break;
-      case kQ5_K: dequant_rows<kQ5_K>(wp, op, K, n0, n1); break;
+      case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1, tiled, N); break;
+      case kQ5_K: dequant_rows<kQ5_K>(wp, op, K, n0, n1, tiled, N); break;
       case kIQ4_XS: dequant_rows<kIQ4_XS>(wp, op, K, n0, n1); break;
-      default: dequant_rows<kQ6_K>(wp, op, K, n0, n1); break;
+      default: dequant_rows<kQ6_K>(wp, op, K, n0, n1, tiled, N); break;
     }
   });
   return ffi::Error::Success();
@@ -460,3 +465,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
 
 // f32 lanes of the vectors these kernels were built with (build.vector_width): 16 with AVX-512, else 8.
 extern "C" int pantheon_vector_width() { return pantheon::kW; }
+
+// 1 where the K-quant products take x as fixed point (AVX-512 VNNI) and read K-tiled blocks.
+extern "C" int pantheon_fixed_point() { return pantheon::fixed_k(pantheon::kQ4_K) ? 1 : 0; }

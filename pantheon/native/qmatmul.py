@@ -47,6 +47,12 @@ def kernel_rows(w: "QMatrix") -> int:
     return 2 * KERNEL_MAX_ROWS if w.n_in * w.n_out >= LARGE_MATRIX else KERNEL_MAX_ROWS
 # Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003
+# Q4_K/Q5_K/Q6_K blocks K-tile-major (`tile_k`): type id + TILED. Tile i holds super-blocks
+# [8 i, 8 i + len_i) of every row, row after row, so the fixed-point kernel (kquants.h, exact
+# numerics on AVX-512 VNNI) reads a tile of a long row's matrix as one stream while x's part for it
+# stays in L1: the same bytes, re-ordered. Loaded so for rows of >= TILE_MIN_IN weights.
+TILED, TILE_BLOCKS, TILE_MIN_IN = 1000, 8, 4096
+TILEABLE = frozenset({Q4_K, Q5_K, Q6_K})
 # type id -> bytes per 32-weight block
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36, F16: 64, BF16: 64, IQ4_NL: 18}
 # K type id -> bytes per 256-weight super-block
@@ -113,6 +119,32 @@ def unpack_nibbles(blocks: np.ndarray, qtype: int, layout: dict | None = None) -
     return np.ascontiguousarray(out), layout[qtype]
 
 
+def base_type(qtype: int) -> int:
+    """The block type of a (possibly K-tiled) QMatrix type."""
+    return qtype - TILED if qtype - TILED in TILEABLE else qtype
+
+
+def tile_k(w: QMatrix) -> QMatrix:
+    """w's blocks K-tile-major (TILED): host numpy, at load. Only Q4_K/Q5_K/Q6_K, 2-D."""
+    assert w.qtype in TILEABLE and w.blocks.ndim == 2, (w.qtype, w.blocks.shape)
+    bb = SUPER_BLOCK_BYTES[w.qtype]
+    b = np.asarray(w.blocks)
+    nsb = b.shape[1] // bb
+    tiles = [b[:, j * bb:min(nsb, j + TILE_BLOCKS) * bb].reshape(-1) for j in range(0, nsb, TILE_BLOCKS)]
+    return QMatrix(np.concatenate(tiles).reshape(b.shape), w.qtype + TILED, w.n_in)
+
+
+def untile_blocks(blocks, qtype: int):
+    """K-tiled blocks [n_out, row bytes] back in row order (numpy or jnp; other types unchanged)."""
+    if base_type(qtype) == qtype:
+        return blocks
+    bb = SUPER_BLOCK_BYTES[base_type(qtype)]
+    n, nsb = blocks.shape[0], blocks.shape[1] // bb
+    flat, xp = blocks.reshape(-1), (np if isinstance(blocks, np.ndarray) else jnp)
+    parts = [flat[n * j * bb:n * min(nsb, j + TILE_BLOCKS) * bb].reshape(n, -1) for j in range(0, nsb, TILE_BLOCKS)]
+    return xp.concatenate(parts, axis=1)
+
+
 def decode_bytes(ggml_type: int, nbytes: int) -> int:
     """Bytes a GGUF matrix of `nbytes` takes once loaded for the kernel (after unpack_nibbles)."""
     t = int(ggml_type)
@@ -123,6 +155,8 @@ def decode_bytes(ggml_type: int, nbytes: int) -> int:
 
 def dequantize_blocks(blocks: jax.Array, qtype: int) -> jax.Array:
     """Blocks of any type the kernel reads -> f32 [..., n_in] (pantheon.gguf.quants for ggml's)."""
+    if base_type(qtype) != qtype:
+        return dequantize(untile_blocks(blocks, qtype), base_type(qtype))
     if qtype != U4_1:
         return dequantize(blocks, qtype)
     b = blocks.reshape(*blocks.shape[:-1], -1, BLOCK_BYTES[U4_1])
@@ -149,9 +183,11 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
     x rounded to 8-bit blocks first as ggml-cpu does: Q8_0 (Q8_1 against U4_1/Q4_1), Q8_K (per 256)
     against K-quants, then integer dot products."""
-    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1, F16, BF16, IQ4_NL) and w.qtype not in K_TYPES:
+    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1, F16, BF16, IQ4_NL) and base_type(w.qtype) not in K_TYPES:
         raise ValueError(f"qmatmul reads F16, BF16, Q4_0, Q4_1, Q8_0, U4_1, IQ4_NL and K-quant blocks, not type {w.qtype}: "
                          "load Q5_0/Q5_1 through unpack_nibbles")
+    if int8_activations and base_type(w.qtype) != w.qtype:
+        raise ValueError("K-tiled blocks take f32 activations (exact numerics): load them untiled for llamacpp numerics")
     if int8_activations and w.qtype in (F16, BF16):
         raise ValueError("F16/BF16 weights take f32 activations (llamacpp numerics round them to f16/bf16 first)")
     lead = x.shape[:-1]
@@ -177,6 +213,8 @@ def int_blocks(w: QMatrix):
     """A QMatrix as arithmetic.IntBlocks [n_in, n_out] (jnp): w = d * c (+ m per block); K-quants and
     IQ4_NL through gguf.quants.integer_parts (their integer sub-block scales and mins, the table's
     values)."""
+    if base_type(w.qtype) != w.qtype:
+        w = QMatrix(untile_blocks(w.blocks, w.qtype), base_type(w.qtype), w.n_in)
     if w.qtype in K_TYPES or w.qtype == IQ4_NL:  # traceable: integer_parts decodes in jnp
         c, d, mn, dmin = (None if a is None else a.T for a in integer_parts(w.blocks, w.qtype))
         return IntBlocks(c, d, mn, dmin, SCALE_FIELDS[w.qtype][2])
@@ -195,4 +233,5 @@ def int_blocks(w: QMatrix):
 
 def embed_rows(w: QMatrix, ids: jax.Array) -> jax.Array:
     """Rows `ids` of W, dequantized: the embedding lookup of a tied, quantized head."""
-    return dequantize_blocks(jnp.take(w.blocks, ids, axis=0), w.qtype)
+    blocks = untile_blocks(w.blocks, w.qtype)  # (a tiled matrix is never an embedding; correct all the same)
+    return dequantize_blocks(jnp.take(blocks, ids, axis=0), base_type(w.qtype))

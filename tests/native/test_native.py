@@ -15,7 +15,7 @@ from pantheon.gguf.quants import dequantize_np, quantize_np
 from pantheon.native import build
 from pantheon.native.attention import attention_decode
 from pantheon.native.qmatmul import U4_1, QMatrix, dequantize_blocks, embed_rows, qmatmul, qmatmul_reference, unpack_nibbles
-from pantheon.native.qmatmul import dequantize_native
+from pantheon.native.qmatmul import TILED, dequantize_native, tile_k, untile_blocks
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import attention_reference, cached_attention_blocked
 
@@ -110,6 +110,33 @@ def test_k_quant_products_hold_f32_accuracy_at_every_magnitude(qtype):
     assert not np.isfinite(out[2]).any() and not np.isfinite(out[4]).any()
     keep = [0, 1, 3, 5, 6, 7]
     np.testing.assert_array_equal(out[keep], np.asarray(jax.jit(qmatmul)(jnp.asarray(x[keep]), w)))
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
+def test_k_tiled_blocks_give_the_row_major_product_bit_for_bit(qtype):
+    """Long rows load K-tile-major for the fixed-point kernel (qmatmul.tile_k): the same bytes
+    re-ordered, read in the same order of sums, so the product, the dequantized matrix and the jnp
+    reference are the row-major ones exactly — with a last tile shorter than the others (2304 =
+    9 super-blocks), at any batch. 8-bit activations refuse them (llamacpp numerics load untiled)."""
+    rng = np.random.default_rng()
+    for n_out, n_in in ((96, 4096), (40, 2304)):
+        w, dense = random_matrix(rng, n_out, n_in, qtype)
+        t = tile_k(w)
+        assert t.qtype == int(qtype) + TILED and t.blocks.shape == w.blocks.shape
+        assert not np.array_equal(np.asarray(t.blocks), np.asarray(w.blocks))
+        np.testing.assert_array_equal(untile_blocks(np.asarray(t.blocks), t.qtype), np.asarray(w.blocks))
+        np.testing.assert_array_equal(np.asarray(jax.jit(dequantize_native)(t)), dense)
+        x = jnp.asarray(rng.standard_normal((6, n_in)).astype(np.float32))
+        ref = np.asarray(jax.jit(qmatmul_reference)(x, w))
+        np.testing.assert_array_equal(np.asarray(jax.jit(qmatmul_reference)(x, t)), ref)
+        if not build.fixed_point():
+            continue  # only the AVX-512 VNNI kernel reads them (and only there are they loaded)
+        full = np.asarray(jax.jit(qmatmul)(x, t))
+        np.testing.assert_array_equal(full, np.asarray(jax.jit(qmatmul)(x, w)))
+        for m in (1, 4, 5):
+            np.testing.assert_array_equal(np.asarray(jax.jit(qmatmul)(x[:m], t)), full[:m])
+        with pytest.raises(ValueError, match="K-tiled blocks take f32 activations"):
+            qmatmul(x, t, int8_activations=True)
 
 
 @pytest.mark.parametrize("qtype", QTYPES + K_QTYPES + HALF, ids=lambda t: t.name)
