@@ -630,12 +630,13 @@ inline void fixed_columns(int64_t t, const FixedRows& xf, const float* xsum, con
     default: fixed_columns<kQ6_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
   }
 }
-#else
-constexpr bool fixed_k(int64_t) { return false; }
 #endif
 #else  // AVX2: ktile's conversions (vpermps looks up 8 entries there, not 16)
 constexpr bool lut_k(int64_t) { return false; }
 inline void lut_order(bool, const float*, float*, int64_t, int64_t) {}
+#endif
+#if !defined(PANTHEON_FIXED_K)  // no VNNI: the f32 kernels (ktile, lut_ktile, q6k_ktile)
+constexpr bool fixed_k(int64_t) { return false; }
 #endif
 
 template <int64_t t, int64_t R>
