@@ -205,8 +205,7 @@ def _load_resident(g: GGUFFile, spec: ModelSpec, device, numerics: Numerics | No
     put = lambda tree: jax.device_put(tree, device)  # noqa: E731
     # Long rows' K-quant blocks K-tile-major for the fixed-point kernel (exact numerics; qmatmul.tile_k)
     tiling = numerics is not None and numerics.mode == "exact" and native_build.fixed_point()
-    tiled = lambda m: native.tile_k(m) if (tiling and isinstance(m, native.QMatrix) and m.qtype in native.TILEABLE  # noqa: E731
-                                             and m.blocks.ndim == 2 and m.n_in >= native.TILE_MIN_IN) else m
+    tiled = lambda m: native.tile_k(m) if tiling and native.tiles(m) else m  # noqa: E731
     layers = []
     for i in range(spec.n_layer):
         mats = {k: m if isinstance(m, native.QMatrix) else np.ascontiguousarray(m.T)

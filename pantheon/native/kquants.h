@@ -428,26 +428,26 @@ struct FixedRows {
 // rounded x up to f32's rounding of the sums.
 inline void fixed_rows(const float* x, int64_t M, int64_t K, int64_t sub, int8_t* planes, float* scale, float* row_scale,
                        float* xsum) {
-  constexpr int kNone = -1000;  // a 32 of zeros
+  constexpr int kZeros = -1000, kNonFinite = -1001;  // a 32's exponent where it has none
   std::unique_ptr<int[]> exps(new int[K / 32]);
   for (int64_t m = 0; m < M; ++m) {
-    int e_row = kNone;
+    int e_row = kZeros;
     for (int64_t i = 0; i < K / 32; ++i) {  // each 32's exponent: its largest |x| < 2^e
       const float* xg = x + m * K + 32 * i;
       const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
       const bool finite = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_sub_ps(a, a), _mm512_sub_ps(b, b)), _mm512_setzero_ps(), _CMP_EQ_OQ) == 0xFFFF;
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      int e = kNone;
+      int e = finite ? kZeros : kNonFinite;
       if (finite && amax > 0.f) std::frexp(amax, &e);
       exps[i] = e, e_row = e > e_row ? e : e_row;
-      if (!finite) exps[i] = kNone - 1;
     }
-    if (e_row == kNone) e_row = 0;
+    if (e_row == kZeros) e_row = 0;
     row_scale[m] = std::ldexp(1.f, e_row - 22);
     for (int64_t i = 0; i < K / 32; ++i) {
       const int64_t g = m * (K / 32) + i;  // the 32's index over all rows
-      const int e = exps[i] < kNone ? 0 : exps[i] == kNone ? e_row : exps[i];
-      const float rel = exps[i] < kNone ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.f, e - e_row);
+      const bool bad = exps[i] == kNonFinite;
+      const int e = bad ? 0 : exps[i] == kZeros ? e_row : exps[i];
+      const float rel = bad ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.f, e - e_row);
       // x * 2^(22-e) is exact (a power of two, in range for every finite f32 once taken in two steps)
       const __m512 s1 = _mm512_set1_ps(std::ldexp(1.f, (22 - e) / 2)), s2 = _mm512_set1_ps(std::ldexp(1.f, (22 - e) - (22 - e) / 2));
       const float* xg = x + 32 * g;
@@ -460,7 +460,7 @@ inline void fixed_rows(const float* x, int64_t M, int64_t K, int64_t sub, int8_t
         _mm_storel_epi64(reinterpret_cast<__m128i*>(at + 192 * (2 * h + 1)), _mm_unpackhi_epi64(bytes, bytes));
       };
       for (int h = 0; h < 2; ++h) {
-        const __m512i X = exps[i] < kNone ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * h), s1), s2));
+        const __m512i X = bad ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * h), s1), s2));
         const int32_t total = _mm512_reduce_add_epi32(X);  // |X| <= 2^22: 16 of them fit
         if (sub == 16) xsum[2 * g + h] = static_cast<float>(total) * rel;
         else if (h == 0) xsum[g] = static_cast<float>(total);
@@ -548,7 +548,8 @@ inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t*
     for (int v = 0; v < 4; ++v) codes[v] = fixed_codes32<t>(z0, z1, b, v);
     const __m512 s16 = q4k_scales16(b);  // d * sc (lanes 0-7), dmin * mn (8-15)
     for (int64_t r = 0; r < R; ++r) {
-      const int8_t* p = xf.planes + 768 * (((m0 + r) * K) / 256 + j);
+      const int64_t sb = ((m0 + r) * K) / 256 + j;  // x's super-block
+      const int8_t* p = xf.planes + 768 * sb;
       __m512i d2 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512(), d0 = _mm512_setzero_si512();
       for (int v = 0; v < 4; ++v) {
         d2 = _mm512_dpbusd_epi32(d2, codes[v], _mm512_loadu_si512(p + 192 * v));
@@ -556,7 +557,7 @@ inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t*
         d0 = _mm512_dpbusd_epi32(d0, codes[v], _mm512_loadu_si512(p + 192 * v + 128));
       }
       const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(d2, 8), d1), 8), d0);
-      const __m512 sx = _mm512_mul_ps(s16, _mm512_loadu_ps(xf.scale + 16 * (((m0 + r) * K) / 256 + j)));
+      const __m512 sx = _mm512_mul_ps(s16, _mm512_loadu_ps(xf.scale + 16 * sb));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(lane_sub, sx), acc[r]);
       macc[r] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(s16, 1), _mm256_loadu_ps(xsum + (m0 + r) * (K / 32) + 8 * j), macc[r]);
     }
@@ -600,26 +601,37 @@ template <int64_t t>
 void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, bool tiled, float* y, int64_t M, int64_t N,
                    int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t bb = k_bytes(t);
-  const int64_t nsb = K / 256, step = tiled ? kTileBlocks : nsb;
+  const int64_t nsb = K / 256;
+  // super-blocks [j0, j1) of rows m0.. of column n, from and into the sums in `st`
+  const auto run = [&](auto R, int64_t m0, int64_t n, int64_t j0, int64_t j1, FixedAcc* st) {
+    const uint8_t* wb = w + block_offset(tiled, n, j0, N, nsb, bb);
+    if constexpr (t == kQ6_K)
+      fixed_ktile16<decltype(R)::value>(xf, xsum, wb, K, m0, j0, j1, st);
+    else
+      fixed_ktile32<t, decltype(R)::value>(xf, xsum, wb, K, m0, j0, j1, st);
+  };
+  const auto finish = [&](const FixedAcc& a, int64_t m, int64_t n) {
+    const float mins = t == kQ6_K ? 32.f * k_hsum(a.macc) : hsum((v8f)_mm512_castps512_ps256(a.macc));
+    y[m * N + n] = (k_hsum(a.acc) - mins) * xf.row_scale[m];
+  };
+  if (!tiled) {  // a column's whole row at once: its sums never leave the tile
+    tiled_columns<4>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+      FixedAcc st[decltype(R)::value];
+      for (auto& a : st) a.acc = a.macc = _mm512_setzero_ps();
+      run(R, m0, n, 0, nsb, st);
+      for (int64_t r = 0; r < R; ++r) finish(st[r], m0 + r, n);
+    });
+    return;
+  }
+  // K tiles: every column's sums carried from one tile to the next, in the same order as above
   std::unique_ptr<FixedAcc[]> st(new FixedAcc[(n1 - n0) * M]);
   for (int64_t i = 0; i < (n1 - n0) * M; ++i) st[i].acc = st[i].macc = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < nsb; j0 += step) {  // the sums run over the super-blocks in order, tiled or not
-    const int64_t j1 = std::min(nsb, j0 + step);
+  for (int64_t j0 = 0; j0 < nsb; j0 += kTileBlocks)
     tiled_columns<4>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
-      const uint8_t* wb = w + block_offset(tiled, n, j0, N, nsb, bb);
-      FixedAcc* s = &st[(n - n0) * M + m0];
-      if constexpr (t == kQ6_K)
-        fixed_ktile16<decltype(R)::value>(xf, xsum, wb, K, m0, j0, j1, s);
-      else
-        fixed_ktile32<t, decltype(R)::value>(xf, xsum, wb, K, m0, j0, j1, s);
+      run(R, m0, n, j0, std::min(nsb, j0 + kTileBlocks), &st[(n - n0) * M + m0]);
     });
-  }
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      const FixedAcc& a = st[(n - n0) * M + m];
-      const float mins = t == kQ6_K ? 32.f * k_hsum(a.macc) : hsum((v8f)_mm512_castps512_ps256(a.macc));
-      y[m * N + n] = (k_hsum(a.acc) - mins) * xf.row_scale[m];
-    }
+    for (int64_t m = 0; m < M; ++m) finish(st[(n - n0) * M + m], m, n);
 }
 
 inline void fixed_columns(int64_t t, const FixedRows& xf, const float* xsum, const uint8_t* w, bool tiled, float* y,

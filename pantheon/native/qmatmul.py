@@ -124,14 +124,25 @@ def base_type(qtype: int) -> int:
     return qtype - TILED if qtype - TILED in TILEABLE else qtype
 
 
+def _tiles(n_in: int) -> list[tuple[int, int]]:
+    """The K tiles of a row of n_in weights: super-block ranges [j0, j1)."""
+    nsb = n_in // 256
+    return [(j, min(nsb, j + TILE_BLOCKS)) for j in range(0, nsb, TILE_BLOCKS)]
+
+
+def tiles(w) -> bool:
+    """Whether the fixed-point kernel reads w K-tiled (where it runs, with exact numerics): a 2-D
+    Q4_K/Q5_K/Q6_K QMatrix of rows of >= TILE_MIN_IN weights."""
+    return isinstance(w, QMatrix) and w.qtype in TILEABLE and w.blocks.ndim == 2 and w.n_in >= TILE_MIN_IN
+
+
 def tile_k(w: QMatrix) -> QMatrix:
     """w's blocks K-tile-major (TILED): host numpy, at load. Only Q4_K/Q5_K/Q6_K, 2-D."""
     assert w.qtype in TILEABLE and w.blocks.ndim == 2, (w.qtype, w.blocks.shape)
     bb = SUPER_BLOCK_BYTES[w.qtype]
     b = np.asarray(w.blocks)
-    nsb = b.shape[1] // bb
-    tiles = [b[:, j * bb:min(nsb, j + TILE_BLOCKS) * bb].reshape(-1) for j in range(0, nsb, TILE_BLOCKS)]
-    return QMatrix(np.concatenate(tiles).reshape(b.shape), w.qtype + TILED, w.n_in)
+    return QMatrix(np.concatenate([b[:, j0 * bb:j1 * bb].reshape(-1) for j0, j1 in _tiles(w.n_in)]).reshape(b.shape),
+                   w.qtype + TILED, w.n_in)
 
 
 def untile_blocks(blocks, qtype: int):
@@ -139,9 +150,9 @@ def untile_blocks(blocks, qtype: int):
     if base_type(qtype) == qtype:
         return blocks
     bb = SUPER_BLOCK_BYTES[base_type(qtype)]
-    n, nsb = blocks.shape[0], blocks.shape[1] // bb
+    n = blocks.shape[0]
     flat, xp = blocks.reshape(-1), (np if isinstance(blocks, np.ndarray) else jnp)
-    parts = [flat[n * j * bb:n * min(nsb, j + TILE_BLOCKS) * bb].reshape(n, -1) for j in range(0, nsb, TILE_BLOCKS)]
+    parts = [flat[n * j0 * bb:n * j1 * bb].reshape(n, -1) for j0, j1 in _tiles(blocks.shape[1] // bb * 256)]
     return xp.concatenate(parts, axis=1)
 
 
