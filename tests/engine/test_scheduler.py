@@ -16,7 +16,7 @@ from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, Reque
 from pantheon.engine.events import GenerationRequest
 from pantheon.faults import FAULTS
 from pantheon.engine.sampler import SamplingParams
-from pantheon.engine.scheduler import SHARED_CHUNKS
+from pantheon.engine.scheduler import SHARED_CHUNKS, Scheduler
 from tests.fixtures.tiny_models import write_tiny_llama
 
 NO_END = ((0, -100.0), (2, -100.0))  # the tiny vocabulary's end-of-generation ids
@@ -168,7 +168,7 @@ def test_a_failed_decode_step_leaves_batch_mates_outside_the_step_untouched_and_
     async def main():
         started = asyncio.Event()
         rec = Recorder()
-        task = asyncio.create_task(rec.consume(engine, "s", request(prompt_of(12, 11), max_tokens=50), started))
+        task = asyncio.create_task(rec.consume(engine, "s", request(prompt_of(12, 11), max_tokens=1000), started))
         await started.wait()
         FAULTS.set("step", 1)
         await task
@@ -200,18 +200,26 @@ def test_hostile_sampling_values_are_clamped_into_device_range():
 
 
 @pytest.mark.parametrize("pressure", [False, True], ids=["ok", "pressure"])
-def test_the_ladders_window_bounds_a_running_sequence(engine, pressure):
+def test_the_ladders_window_bounds_a_running_sequence(engine, pressure, monkeypatch):
     """Memory pressure halves the window (4096 -> 2048) for running sequences as for new prompts: a
     2100-token prompt admitted before the pressure ends with "length" at its next token instead of
     running to max_tokens. Without pressure the same request runs its 24 tokens."""
+    start = Scheduler._start
+
+    def start_then_pressure(self, *args):
+        # admitted under OK; the pressure arrives in the device thread before the prefill's first chunk
+        # (set from the asyncio side on seeing Admitted, it raced the prefill on a fast machine)
+        start(self, *args)
+        FAULTS.memory = "pressure"
+
+    if pressure:
+        monkeypatch.setattr(Scheduler, "_start", start_then_pressure)
 
     async def main():
         events = []
         try:
             async for ev in engine.submit(request(prompt_of(2100, 21), max_tokens=24)):
                 events.append(ev)
-                if isinstance(ev, Admitted) and pressure:  # admitted under OK; the prefill is still to run
-                    FAULTS.memory = "pressure"
         finally:
             FAULTS.memory = None
         return events
