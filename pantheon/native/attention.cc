@@ -52,47 +52,74 @@ struct F32Cache { using T = float; static v8f load(const float* p) { return load
 struct F16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::true_type{}); } };
 struct BF16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::false_type{}); } };
 
-// One (row, kv head, key chunk): G query heads q [G, D] against n keys/values at k, v (stride
-// `step` floats between positions) -> per head the score max m, the sum l of e^(s - m), and
-// acc = sum_j e^(s_j - m) v_j [G, D]. scores: scratch of G * round_up(n, 8) floats.
+// Eight sums in one vector: a[i]'s eight lanes added as ((0+1)+(2+3)) + ((4+5)+(6+7)), a fixed
+// tree, for eight keys at once (one hsum each was most of the scores' instructions).
+inline v8f hsum8(const v8f* a) {
+  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 | a0..a3], [a4..a7 | a4..a7]
+  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// acc[g][0..NV) += sum_j p[g][j] v_j over n positions, for GN heads sharing one kv head (each value
+// vector widened once for the GN heads), NV vectors of each head's output in registers; per lane
+// the sum runs over positions in order. acc: head g's at acc + g * D; p: head g's at p + g * n8.
+template <int GN, int NV, class Cache, class T = typename Cache::T>
+inline void head_group_values(float* acc, int64_t D, const float* p, int64_t n8, const T* v, int64_t step, int64_t n) {
+  v8f a[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = load8(acc + g * D + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    v8f vj[NV];
+    for (int c = 0; c < NV; ++c) vj[c] = Cache::load(v + j * step + 8 * c);
+    for (int g = 0; g < GN; ++g) {
+      const v8f pj = v8f{} + p[g * n8 + j];
+      for (int c = 0; c < NV; ++c) a[g][c] = fma8(pj, vj[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NV; ++c) store8(acc + g * D + 8 * c, a[g][c]);
+}
+
+// One (row, key piece), every head: H query heads q [H, D] (G = H / K per kv head) against n
+// positions at k, v (position j's K heads at k + j * step, step = K * D) -> per head the score max
+// m, the sum l of e^(s - m), and acc = sum_j e^(s_j - m) v_j [H, D]. The positions are read in
+// order, each one's heads together, and prefetched ahead: a task per kv head instead strode through
+// the cache K times, and with the cache cold behind the weights (every decode step) that ran at a
+// fifth of the memory's speed. scores: scratch of H * round_up(n, 8) floats.
 template <class Cache, class T = typename Cache::T>
-void attend_part(const float* q, const T* k, const T* v, int64_t step, int64_t n, int64_t G, int64_t D,
-                 float* scores, float* m_out, float* l_out, float* acc_out) {
-  const int64_t n8 = (n + 7) / 8 * 8, d8 = D / 8;
+void attend_piece(const float* q, const T* k, const T* v, int64_t step, int64_t n, int64_t H, int64_t K, int64_t D,
+                  float* scores, float* m_out, float* l_out, float* acc_out) {
+  const int64_t n8 = (n + 7) / 8 * 8, d8 = D / 8, G = H / K;
   const float scale = 1.f / std::sqrt((float)D);
-  std::vector<v8f> qs(G * d8);
-  for (int64_t i = 0; i < G * d8; ++i) qs[i] = load8(q + 8 * i) * scale;
-  // Scores four keys at a time: four independent FMA chains instead of one latency-bound chain.
-  // Each score is the same sequence of operations either way.
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const T* kj = k + j * step;
-    for (int64_t g = 0; g < G; ++g) {
-      const v8f* qg = qs.data() + g * d8;
-      v8f a0 = qg[0] * Cache::load(kj), a1 = qg[0] * Cache::load(kj + step), a2 = qg[0] * Cache::load(kj + 2 * step),
-          a3 = qg[0] * Cache::load(kj + 3 * step);
-      for (int64_t c = 1; c < d8; ++c) {
-        a0 = fma8(qg[c], Cache::load(kj + 8 * c), a0);
-        a1 = fma8(qg[c], Cache::load(kj + step + 8 * c), a1);
-        a2 = fma8(qg[c], Cache::load(kj + 2 * step + 8 * c), a2);
-        a3 = fma8(qg[c], Cache::load(kj + 3 * step + 8 * c), a3);
+  std::vector<v8f> qs(H * d8);
+  for (int64_t i = 0; i < H * d8; ++i) qs[i] = load8(q + 8 * i) * scale;
+  // Scores eight positions at a time, head by head (a position past n reads position n - 1; its
+  // score is unused); the next eight positions are prefetched while these are scored.
+  for (int64_t j = 0; j < n; j += 8) {
+    const T* kj[8];
+    for (int i = 0; i < 8; ++i) kj[i] = k + std::min<int64_t>(j + i, n - 1) * step;
+    if (j + 8 < n) {
+      const char* next = reinterpret_cast<const char*>(k + (j + 8) * step);
+      const int64_t bytes = std::min<int64_t>(8, n - j - 8) * step * sizeof(T);
+      const char* next_v = reinterpret_cast<const char*>(v + (j + 8) * step);
+      for (int64_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch(next + o, _MM_HINT_T0);
+        _mm_prefetch(next_v + o, _MM_HINT_T1);
       }
-      float* s = scores + g * n8 + j;
-      s[0] = hsum(a0), s[1] = hsum(a1), s[2] = hsum(a2), s[3] = hsum(a3);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const v8f* qh = qs.data() + h * d8;
+      const int64_t off = (h / G) * D;
+      v8f a[8];
+      for (int i = 0; i < 8; ++i) a[i] = qh[0] * Cache::load(kj[i] + off);
+      for (int64_t c = 1; c < d8; ++c)
+        for (int i = 0; i < 8; ++i) a[i] = fma8(qh[c], Cache::load(kj[i] + off + 8 * c), a[i]);
+      store8(scores + h * n8 + j, hsum8(a));
     }
   }
-  for (; j < n; ++j) {
-    const T* kj = k + j * step;
-    for (int64_t g = 0; g < G; ++g) {
-      const v8f* qg = qs.data() + g * d8;
-      v8f acc = qg[0] * Cache::load(kj);
-      for (int64_t c = 1; c < d8; ++c) acc = fma8(qg[c], Cache::load(kj + 8 * c), acc);
-      scores[g * n8 + j] = hsum(acc);
-    }
-  }
-  std::vector<v8f> acc(G * d8, v8f{});
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * n8;
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = scores + h * n8;
     float m = s[0];
     for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
     for (int64_t j = n; j < n8; ++j) s[j] = -INFINITY;  // exp -> 0
@@ -102,21 +129,47 @@ void attend_part(const float* q, const T* k, const T* v, int64_t step, int64_t n
       store8(s + j, p);
       sum += p;
     }
-    m_out[g] = m;
-    l_out[g] = hsum(sum);
-    v8f* a = acc.data() + g * d8;
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vj = v + j * step;
-      const v8f p = v8f{} + s[j];
-      for (int64_t c = 0; c < d8; ++c) a[c] = fma8(p, Cache::load(vj + 8 * c), a[c]);
+    m_out[h] = m;
+    l_out[h] = hsum(sum);
+  }
+  // Values in blocks of positions (a block stays in L1 while every head group reads it), 16 dims
+  // of a group's heads at a time in registers.
+  constexpr int64_t kBlock = 16;
+  std::memset(acc_out, 0, sizeof(float) * H * D);
+  for (int64_t j = 0; j < n; j += kBlock) {
+    const int64_t nb = std::min(kBlock, n - j);
+    if (j + kBlock < n) {  // the next block, fetched while this one is summed
+      const char* next = reinterpret_cast<const char*>(v + (j + kBlock) * step);
+      const int64_t bytes = std::min(kBlock, n - j - kBlock) * step * static_cast<int64_t>(sizeof(T));
+      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     }
-    for (int64_t c = 0; c < d8; ++c) store8(acc_out + g * D + 8 * c, a[c]);
+    for (int64_t kh = 0; kh < K; ++kh) {
+      const T* vb = v + j * step + kh * D;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = std::min<int64_t>(4, G - g0), h0 = kh * G + g0;
+        const float* p = scores + h0 * n8 + j;
+        for (int64_t c = 0; c < d8; c += 2) {
+          float* acc = acc_out + h0 * D + 8 * c;
+          switch (static_cast<int>(gn) * 2 + (d8 - c >= 2 ? 1 : 0)) {
+            case 9: head_group_values<4, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            case 8: head_group_values<4, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            case 7: head_group_values<3, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            case 6: head_group_values<3, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            case 5: head_group_values<2, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            case 4: head_group_values<2, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            case 3: head_group_values<1, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            default: head_group_values<1, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+          }
+        }
+      }
+    }
   }
 }
 
-// Keys per chunk: a long row is split into chunks of this many keys (by absolute position, so the
-// split depends only on the row's own length), attended in parallel, then merged in order.
-constexpr int64_t kChunk = 1024;
+// Keys per piece: a row's keys are split into pieces of this many (by absolute position, so the
+// split depends only on the row's own length), attended in parallel, then merged in order. Small
+// enough that one row's few hundred keys keep both threads busy.
+constexpr int64_t kChunk = 64;
 
 // A row's keys as pieces contiguous in its slot: [lo, len) by absolute position (lo = len - window
 // with a sliding window, else 0), split at multiples of kChunk and, in a ring (position p at p % C),
@@ -151,59 +204,60 @@ ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::An
   const int32_t* lp = lens.typed_data();
   for (int64_t b = 0; b < B; ++b)
     if (sp[b] < 0 || sp[b] >= N || (!ring && lp[b] > C)) return ffi::Error::InvalidArgument("attention_decode: slot or length out of range");
-  const int64_t G = H / K;
   const float* qp = q.typed_data();
   const T* kp = static_cast<const T*>(k_cache.untyped_data());
   const T* vp = static_cast<const T*>(v_cache.untyped_data());
   float* op = out->typed_data();
-  // Tasks: (row, kv head, piece); each writes its piece's m, l and acc, merged below per (row, head).
-  std::vector<int64_t> first(B * K + 1, 0);  // first task of each (row, head)
+  // Tasks: (row, piece), every head; each writes its piece's m, l and acc, merged below per row.
+  std::vector<int64_t> first(B + 1, 0);  // first task of each row
   std::vector<Piece> pieces, row;  // the tasks' pieces
   int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     row_pieces(lp[b] > 0 ? lp[b] : 0, window, C, ring, row);
     for (const Piece& piece : row) keys += piece.n;
-    for (int64_t kh = 0; kh < K; ++kh) {
-      first[b * K + kh + 1] = first[b * K + kh] + static_cast<int64_t>(row.size());
-      pieces.insert(pieces.end(), row.begin(), row.end());
-    }
+    first[b + 1] = first[b] + static_cast<int64_t>(row.size());
+    pieces.insert(pieces.end(), row.begin(), row.end());
   }
-  const int64_t tasks = first[B * K];
-  std::vector<float> ms(tasks * G), ls(tasks * G), accs(tasks * G * D);
+  const int64_t tasks = first[B];
+  std::vector<float> ms(tasks * H), ls(tasks * H), accs(tasks * H * D);
   const int64_t threads = keys * K * D >= (int64_t{1} << 16) ? pool_threads(pool) : 1;
-  std::vector<int64_t> owner(tasks);  // task -> its (row, head)
-  for (int64_t i = 0; i < B * K; ++i)
-    for (int64_t t = first[i]; t < first[i + 1]; ++t) owner[t] = i;
+  std::vector<int64_t> owner(tasks);  // task -> its row
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = first[b]; t < first[b + 1]; ++t) owner[t] = b;
   parallel_for(pool, threads, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = owner[t], b = i / K, kh = i % K;
-      const int64_t base = ((int64_t)sp[b] * C * K + kh) * D;
+      const int64_t b = owner[t];
+      const int64_t base = (int64_t)sp[b] * C * K * D;
       const int64_t start = pieces[t].start % C, n = pieces[t].n;  // a piece never wraps a ring
-      scores.resize(G * ((n + 7) / 8 * 8));
-      attend_part<Cache>(qp + (b * H + kh * G) * D, kp + base + start * K * D, vp + base + start * K * D, K * D, n, G, D,
-                  scores.data(), &ms[t * G], &ls[t * G], &accs[t * G * D]);
+      scores.resize(H * ((n + 7) / 8 * 8));
+      attend_piece<Cache>(qp + b * H * D, kp + base + start * K * D, vp + base + start * K * D, K * D, n, H, K, D,
+                          scores.data(), &ms[t * H], &ls[t * H], &accs[t * H * D]);
     }
   });
-  for (int64_t i = 0; i < B * K; ++i) {  // merge each (row, head)'s chunks, in order
-    float* o = op + ((i / K) * H + (i % K) * G) * D;
-    if (first[i] == first[i + 1]) {  // no key visible: zeros, as the reference
-      std::memset(o, 0, sizeof(float) * G * D);
-      continue;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float m = -INFINITY;
-      for (int64_t t = first[i]; t < first[i + 1]; ++t) m = std::max(m, ms[t * G + g]);
-      float l = 0.f;
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] = 0.f;
-      for (int64_t t = first[i]; t < first[i + 1]; ++t) {
-        const float w = std::exp(ms[t * G + g] - m);
-        l += w * ls[t * G + g];
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * accs[(t * G + g) * D + d];
+  // Merge each (row, head)'s pieces, in order; in parallel only where rows have hundreds of pieces
+  // (waking a pool thread again costs more than a few thousand sums).
+  const int64_t merge_threads = tasks * H * D >= (int64_t{1} << 20) ? threads : 1;
+  parallel_for(pool, merge_threads, B * H, std::max<int64_t>(1, H / 4), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      float* o = op + i * D;
+      if (first[b] == first[b + 1]) {  // no key visible: zeros, as the reference
+        std::memset(o, 0, sizeof(float) * D);
+        continue;
       }
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] /= l;
+      float m = -INFINITY;
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) m = std::max(m, ms[t * H + h]);
+      float l = 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+        const float w = std::exp(ms[t * H + h] - m);
+        l += w * ls[t * H + h];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * accs[(t * H + h) * D + d];
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= l;
     }
-  }
+  });
   return ffi::Error::Success();
 }
 
