@@ -413,3 +413,25 @@ def test_a_prefill_chunk_dequantizes_one_matrix_at_a_time():
     temp = jax.jit(lambda x, a, b: linear(linear(x, a), b)).lower(x, w1, w2).compile().memory_analysis().temp_size_in_bytes
     one = 1024 * 1024 * 4
     assert one <= temp < 1.5 * one, temp
+
+
+def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monkeypatch):
+    """Where the fixed-point K-quant kernel runs (AVX-512 VNNI) it keeps Q4_K/Q5_K/Q6_K chunks of up
+    to 32 rows (48 for large matrices) from the dequantize-and-GEMM path; elsewhere, and for other
+    types, 16 (32); a K-tiled matrix counts as its block type."""
+    from pantheon.native import qmatmul as qm
+
+    def matrix(qtype, n_out, n_in):
+        per, size = (256, qm.SUPER_BLOCK_BYTES[qtype]) if qtype in qm.K_TYPES else (32, qm.BLOCK_BYTES[qtype])
+        return QMatrix(jnp.zeros((n_out, n_in // per * size), jnp.uint8), int(qtype), n_in)
+
+    small, large = (2048, 1024), (8192, 2048)
+    for fixed in (True, False):
+        monkeypatch.setattr(qm.build, "fixed_point", lambda fixed=fixed: fixed)
+        for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            assert qm.kernel_rows(matrix(qtype, *small)) == (32 if fixed else 16)
+            assert qm.kernel_rows(matrix(qtype, *large)) == (48 if fixed else 32)
+            tiled = matrix(qtype, *large)
+            assert qm.kernel_rows(QMatrix(tiled.blocks, tiled.qtype + TILED, tiled.n_in)) == (48 if fixed else 32)
+        assert qm.kernel_rows(matrix(Q.Q8_0, *small)) == 16 and qm.kernel_rows(matrix(Q.Q8_0, *large)) == 32
+        assert qm.kernel_rows(matrix(Q.Q3_K, *large)) == 32
