@@ -120,6 +120,8 @@ HEAVY = frozenset({
     "tests/engine/test_sessions.py::test_a_session_moved_to_the_host_exports_the_same_bytes_and_resumes_token_identically[hybrid]",
     "tests/engine/test_warm_up.py::test_warm_up_compiles_what_serving_needs[llama]",
     "tests/engine/test_warm_up.py::test_warm_up_compiles_what_serving_needs[qwen35moe]",
+    "tests/engine/test_warm_up.py::test_the_warm_up_hands_what_compiling_freed_back_to_the_os[llama]",
+    "tests/engine/test_warm_up.py::test_the_warm_up_hands_what_compiling_freed_back_to_the_os[qwen35moe]",
     "tests/gguf/test_corrupt_files.py::test_corrupt_file_is_refused_with_one_line[template-loops]",
     "tests/gguf/test_corrupt_files.py::test_generate_subprocess_looping_template",
     "tests/model/test_bf16.py::test_qwen35moe_interpreted_kernels_take_bf16_operands",

@@ -6,6 +6,7 @@ known: batch in DECODE_BUCKETS, prefill chunk in CHUNK_BUCKETS, attended cache l
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -224,6 +225,10 @@ class ModelRunner:
                 key, args, static = self._step_sample_program(DecodeWork([self.scratch] * b, [0] * b, [0] * b,
                                                                          [sampling] * b))
                 self.registry.precompile(key, full_step_and_sample, shapes(args), static)
+        # Tracing and compiling leave garbage cycles and freed pages the allocator keeps: collected
+        # and handed back, the served RSS drops by ~50-70 MB (1 B, Gemma 3 270M).
+        gc.collect()
+        release_free_memory()
         return time.perf_counter() - t0
 
     def prefill(self, slot: int, tokens: list[int], start: int, all_logits: bool = False,
