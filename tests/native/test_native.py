@@ -262,9 +262,11 @@ def test_unpacked_codes_hold_the_same_weights(qtype):
 def test_attention_decode_matches_the_blocked_reference(cache_dtype):
     """Every cache type the kernel reads (--kv-dtype): the reference reads the same cache widened."""
     rng = np.random.default_rng()
-    # the last case's rows reach past 1024 keys: chunks attended apart, then merged (attention.cc)
+    # rows past 64 keys are attended in pieces, then merged (attention.cc)
+    # query heads per kv head 1-6 (groups of four and a remainder), head dims with an odd number of
+    # 8-wide vectors (40: five), rows shorter than one 8-position score block and longer than a piece
     for b, h, k, d, n_slots, c in ((1, 9, 3, 64, 4, 300), (5, 8, 2, 128, 6, 700), (3, 4, 4, 16, 3, 17),
-                                   (3, 6, 3, 32, 3, 2600)):
+                                   (3, 6, 3, 32, 3, 2600), (2, 10, 2, 40, 3, 90), (2, 12, 2, 96, 3, 150)):
         q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
         kc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
         vc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
