@@ -78,6 +78,9 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
         out = dispatch.attention_decode(q[:, 0].astype(k_cache.dtype), k_cache, v_cache, slots, positions[:, 0] + 1,
                                         mode=modes[ATTENTION_DECODE], window=window, ring=ring)
         return out[:, None].astype(q.dtype)
+    if not (window or ring) and q.shape[1] > 1 and modes[ATTENTION_PREFILL] == "native":
+        # the native CPU kernel reads each row's slot in place up to each query's position
+        return dispatch.cached_attention_prefill(q, k_cache, v_cache, slots, positions)
     if window or modes[attention_kernel(q.shape[1])] == "reference":
         # The jnp path reads each row's slot in key blocks up to its position (the reference's
         # math, blocked): no kv_len gather, cost follows the positions attended.
@@ -93,6 +96,16 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
     keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]  # [B, S, K, D]
     out = dispatch.attention_prefill(q.astype(keys.dtype), keys, values, positions, mode=modes[ATTENTION_PREFILL])
     return out.astype(q.dtype)
+
+
+def for_numerics(kernels: Kernels, mode: str) -> Kernels:
+    """`llamacpp` numerics keep the jnp prefill attention their agreement with llama.cpp was measured
+    on: under 8-bit activation rounding the native kernel's other (equally f32) summation order
+    flips near-ties (SmolLM2's "capital" prompt at a llama.cpp top-2 margin of 0.24; Gemma 3's
+    teacher-forced top-1 386 -> 380 of 400). `exact` takes the native kernel."""
+    if mode != "llamacpp":
+        return kernels
+    return tuple((name, "reference" if name == ATTENTION_PREFILL and m == "native" else m) for name, m in kernels)
 
 
 def windowed(kernels: Kernels) -> Kernels:
@@ -112,6 +125,6 @@ def program_kv_len(kernels: Kernels, kv_len: int, ctx: int) -> int:
     up to its length whatever kv_len is, so its programs all take the cache length: the runner's
     per-kv_len program keys then share one trace and executable instead of compiling one per bucket."""
     modes = dict(kernels)
-    if modes.get(ATTENTION_DECODE) is not None or modes.get(ATTENTION_PREFILL) == "reference":
-        return ctx  # the decode kernel and the blocked jnp path read the cache in place
+    if modes.get(ATTENTION_DECODE) is not None or modes.get(ATTENTION_PREFILL) in ("reference", "native"):
+        return ctx  # the decode kernel, the native prefill one and the blocked jnp path read the cache in place
     return kv_len

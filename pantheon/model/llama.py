@@ -188,7 +188,7 @@ def forward(params, cache: KVCache, inputs: StepInputs, *, spec: ModelSpec, nume
     # The cache's per-layer lists are updated in place, layer by layer: if a later layer fails,
     # the caller's cache still names every live buffer (the donated ones are already replaced).
     ks, vs = cache.k, cache.v
-    kernels = block_kernels(spec, cache, tokens.shape[1])
+    kernels = kern.for_numerics(block_kernels(spec, cache, tokens.shape[1]), numerics.mode)
     static = dict(spec=spec, numerics=numerics, kv_len=kern.program_kv_len(kernels, kv_len, cache.ctx), kernels=kernels)
     plain = dict(spec=spec, numerics=numerics)
     # A sliding-window layer (gemma3) is its own executable: its rope base, its window, jnp attention.

@@ -381,7 +381,8 @@ def forward(params, state: HybridState, inputs: StepInputs, *, spec: HybridSpec,
     # Updated in place, layer by layer, so that a failure mid-forward leaves `state` naming every
     # live buffer (see llama.forward).
     ks, vs, convs, ssms = state.k, state.v, state.conv, state.ssm
-    kernels = layer_kernels(spec, params, state, tokens.shape[1])
+    kernels = {name: kern.for_numerics(k, numerics.mode)
+               for name, k in layer_kernels(spec, params, state, tokens.shape[1]).items()}
     ia = ir = 0  # index into the attention / DeltaNet state lists
     for i, w in enumerate(params["layers"]):
         if spec.recurrent[i]:

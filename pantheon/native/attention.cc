@@ -276,6 +276,149 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   }
 }
 
+
+// ---- prefill: many queries a row, causal, read in place ------------------------------------------
+//
+// Row b's queries t (absolute positions pos[b, t]; < 0: no key, zeros) attend to keys 0..pos[b, t]
+// of slot slots[b]. A task is (row, block of kQueries consecutive queries, kv head): its G query
+// heads x kQueries queries run over the keys up to the block's last position in blocks of kKeys
+// (by absolute position), each block's keys and values widened to f32 once for all of them, with
+// an online softmax per query (f32: the max, a rescale by e^(m_old - m_new) and the sums). A
+// query's result depends only on its own position and the cache (not on the chunk it came in,
+// its block, or its batch-mates): the key blocks are fixed by absolute position and a query skips
+// the keys past its own.
+constexpr int64_t kQueries = 16, kKeys = 64;
+
+template <class Cache, class T = typename Cache::T>
+void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, int64_t nq, int64_t C, int64_t H,
+                  int64_t K, int64_t D, int64_t kh, float* out, float* scratch) {
+  const int64_t G = H / K, d8 = D / 8, rows = nq * G;
+  const float scale = 1.f / std::sqrt((float)D);
+  // scratch: qs [rows, D], acc [rows, D], kf [kKeys, D], vf [kKeys, D], m [rows], l [rows]
+  float* qs = scratch;
+  float* acc = qs + rows * D;
+  float* kf = acc + rows * D;
+  float* vf = kf + kKeys * D;
+  float* m = vf + kKeys * D;
+  float* l = m + rows;
+  int64_t reach = 0;  // keys any of these queries sees: 0..reach-1 (a final chunk's padding may sit past the cache)
+  for (int64_t t = 0; t < nq; ++t) reach = std::max<int64_t>(reach, std::min<int64_t>(pos[t], C - 1) + 1);
+  for (int64_t t = 0; t < nq; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = t * G + g;
+      const float* src = q + (t * H + kh * G + g) * D;
+      for (int64_t c = 0; c < d8; ++c) store8(qs + r * D + 8 * c, load8(src + 8 * c) * scale);
+      std::memset(acc + r * D, 0, sizeof(float) * D);
+      m[r] = -INFINITY, l[r] = 0.f;
+    }
+  const int64_t step = K * D;  // between positions in the cache
+  for (int64_t j0 = 0; j0 < reach; j0 += kKeys) {
+    const int64_t n = std::min(kKeys, reach - j0);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < d8; ++c) {
+        store8(kf + j * D + 8 * c, Cache::load(k + (j0 + j) * step + kh * D + 8 * c));
+        store8(vf + j * D + 8 * c, Cache::load(v + (j0 + j) * step + kh * D + 8 * c));
+      }
+    for (int64_t t = 0; t < nq; ++t) {
+      const int64_t seen = std::min<int64_t>(n, std::min<int64_t>(pos[t], C - 1) + 1 - j0);  // keys j0.. visible to t
+      if (seen <= 0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = t * G + g;
+        const float* qr = qs + r * D;
+        float s[kKeys];
+        for (int64_t j = 0; j < seen; j += 8) {  // eight scores at once; past `seen`: -inf
+          v8f a[8];
+          for (int i = 0; i < 8; ++i) a[i] = v8f{};
+          const int64_t live = std::min<int64_t>(8, seen - j);
+          for (int64_t c = 0; c < d8; ++c) {
+            const v8f qc = load8(qr + 8 * c);
+            for (int i = 0; i < live; ++i) a[i] = fma8(qc, load8(kf + (j + i) * D + 8 * c), a[i]);
+          }
+          v8f sc = hsum8(a);
+          for (int i = static_cast<int>(live); i < 8; ++i) sc[i] = -INFINITY;
+          store8(s + j, sc);
+        }
+        const int64_t seen8 = (seen + 7) / 8 * 8;
+        float mx = m[r];
+        for (int64_t j = 0; j < seen; ++j) mx = s[j] > mx ? s[j] : mx;
+        const float rescale = std::exp(m[r] - mx);  // 0 on the first block (m = -inf)
+        v8f sum = v8f{};
+        for (int64_t j = 0; j < seen8; j += 8) {
+          const v8f p = exp8(load8(s + j) - mx);
+          store8(s + j, p);
+          sum += p;
+        }
+        m[r] = mx;
+        l[r] = l[r] * rescale + hsum(sum);
+        float* ar = acc + r * D;
+        for (int64_t c0 = 0; c0 < d8; c0 += 8) {  // 64 dims of the output at a time, in registers
+          const int64_t nc = std::min<int64_t>(8, d8 - c0);
+          v8f o[8];
+          for (int64_t c = 0; c < nc; ++c) o[c] = load8(ar + 8 * (c0 + c)) * rescale;
+          for (int64_t j = 0; j < seen; ++j) {
+            const v8f p = v8f{} + s[j];
+            for (int64_t c = 0; c < nc; ++c) o[c] = fma8(p, load8(vf + j * D + 8 * (c0 + c)), o[c]);
+          }
+          for (int64_t c = 0; c < nc; ++c) store8(ar + 8 * (c0 + c), o[c]);
+        }
+      }
+    }
+  }
+  for (int64_t t = 0; t < nq; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = t * G + g;
+      float* dst = out + (t * H + kh * G + g) * D;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // no key seen: zeros
+      for (int64_t c = 0; c < d8; ++c) store8(dst + 8 * c, load8(acc + r * D + 8 * c) * inv);
+    }
+}
+
+template <class Cache>
+ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k_cache,
+                         ffi::AnyBuffer& v_cache, ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::S32>& positions,
+                         ffi::ResultBuffer<ffi::F32>& out) {
+  using T = typename Cache::T;
+  const auto qd = q.dimensions(), cd = k_cache.dimensions();
+  if (qd.size() != 4 || cd.size() != 4) return ffi::Error::InvalidArgument("attention_prefill: q [B,T,H,D], caches [N,C,K,D]");
+  const int64_t B = qd[0], Tq = qd[1], H = qd[2], D = qd[3], N = cd[0], C = cd[1], K = cd[2];
+  if (cd[3] != D || D % 8 != 0 || K == 0 || H % K != 0)
+    return ffi::Error::InvalidArgument("attention_prefill: head dims do not match (D % 8 == 0, H % K == 0)");
+  const int32_t* sp = slots.typed_data();
+  const int32_t* pp = positions.typed_data();
+  for (int64_t b = 0; b < B; ++b)
+    if (sp[b] < 0 || sp[b] >= N) return ffi::Error::InvalidArgument("attention_prefill: slot out of range");
+  const T* kp = static_cast<const T*>(k_cache.untyped_data());
+  const T* vp = static_cast<const T*>(v_cache.untyped_data());
+  const float* qp = q.typed_data();
+  float* op = out->typed_data();
+  const int64_t blocks = (Tq + kQueries - 1) / kQueries, tasks = B * blocks * K, G = H / K;
+  const int64_t scratch = (2 * kQueries * G + 2 * kKeys) * D + 2 * kQueries * G;
+  parallel_for(pool, tasks > 1 ? pool_threads(pool) : 1, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buffer(scratch);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / (blocks * K), qb = (task / K) % blocks, kh = task % K;
+      const int64_t first = qb * kQueries, nq = std::min(kQueries, Tq - first);
+      const int64_t base = (int64_t)sp[b] * C * K * D;
+      prefill_task<Cache>(qp + (b * Tq + first) * H * D, kp + base, vp + base, pp + b * Tq + first, nq, C, H, K, D, kh,
+                          op + (b * Tq + first) * H * D, buffer.data());
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  const auto type = k_cache.element_type();
+  if (v_cache.element_type() != type) return ffi::Error::InvalidArgument("attention_prefill: k and v caches differ in type");
+  switch (type) {
+    case ffi::DataType::F32: return AttendPrefill<F32Cache>(pool, q, k_cache, v_cache, slots, positions, out);
+    case ffi::DataType::F16: return AttendPrefill<F16Cache>(pool, q, k_cache, v_cache, slots, positions, out);
+    case ffi::DataType::BF16: return AttendPrefill<BF16Cache>(pool, q, k_cache, v_cache, slots, positions, out);
+    default: return ffi::Error::InvalidArgument("attention_prefill: caches must be f32, f16 or bf16");
+  }
+}
+
 }  // namespace
 }  // namespace pantheon
 
@@ -290,3 +433,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionDecode, pantheon::AttentionDecode
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("ring"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionPrefill, pantheon::AttentionPrefill,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

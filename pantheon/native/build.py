@@ -36,7 +36,8 @@ SOURCES = ("qmatmul.cc", "attention.cc")
 HEADERS = ("common.h", "kquants.h")
 # FFI target name -> exported handler symbol
 TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_dequantize": "PantheonDequantize",
-           "pantheon_attention_decode": "PantheonAttentionDecode"}
+           "pantheon_attention_decode": "PantheonAttentionDecode",
+           "pantheon_attention_prefill": "PantheonAttentionPrefill"}
 
 # PANTHEON_NATIVE_ISA -> the compiler's target: this CPU, or AVX2 with FMA and F16C only (Haswell's
 # set, which every AVX-512 CPU also runs), so the 8-wide paths are tested on any machine.

@@ -4,7 +4,7 @@ plain-jnp reference.
 One rule for every kernel, so the serve path, the tests and the profile script agree:
 
 * GPU backends (``cuda``, ``rocm``, ``gpu``): ``"pallas"`` (Triton lowering).
-* the CPU: ``"native"`` for ``attention_decode`` where Pantheon's native CPU kernels are built
+* the CPU: ``"native"`` for ``attention_decode`` and ``attention_prefill`` where Pantheon's native CPU kernels are built
   (pantheon/native/build.py: x86 AVX2 and a C++ compiler), else ``"reference"``.
 * everything else (TPU): ``"reference"``. Interpreted Pallas is a correctness tool, 1-11x slower
   than the jnp reference on CPU, so it is never chosen by default.
@@ -34,7 +34,7 @@ from pantheon.faults import FAULTS
 
 KERNELS = ("attention_prefill", "attention_decode", "moe_q3k", "deltanet", "qmatmul")
 MODES = ("pallas", "interpret", "reference", "native")
-NATIVE_KERNELS = ("attention_decode",)  # those with a native CPU implementation (pantheon/native)
+NATIVE_KERNELS = ("attention_decode", "attention_prefill")  # those with a native CPU implementation (pantheon/native)
 GPU_BACKENDS = frozenset({"cuda", "rocm", "gpu"})
 
 
@@ -164,7 +164,19 @@ def attention_prefill(q, k, v, q_pos, backend: str | None = None, *, mode: str |
     mode = _mode("attention_prefill", backend, mode)
     if mode == "reference":
         return attention.attention_reference(q, k, v, q_pos)
+    if mode == "native":  # row b's keys as slot b of a cache
+        return cached_attention_prefill(q, k, v, jnp.arange(q.shape[0], dtype=jnp.int32), q_pos)
     return attention.flash_attention(q, k, v, q_pos, interpret=interpret_flag(mode))
+
+
+def cached_attention_prefill(q, k_cache, v_cache, slots, q_pos):
+    """The native CPU prefill attention (`attention_prefill` in mode "native"): a chunk's queries q
+    [B, T, H, D] at absolute positions q_pos [B, T] against their slots' caches [N_slots, C, K, D],
+    read in place (pantheon.native.attention.attention_prefill; its reference is
+    attention.cached_attention_blocked)."""
+    from pantheon.native.attention import attention_prefill as native_prefill
+
+    return native_prefill(q, k_cache, v_cache, slots, q_pos)
 
 
 def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = None, *,

@@ -325,7 +325,7 @@ def test_attention_decode_refuses_out_of_range_slots():
 
 def test_decode_attention_defaults_to_native_on_the_cpu():
     assert dispatch.kernel_mode("attention_decode", "cpu", env="") == "native"
-    assert dispatch.kernel_mode("attention_prefill", "cpu", env="") == "reference"
+    assert dispatch.kernel_mode("attention_prefill", "cpu", env="") == "native"
     assert dispatch.kernel_mode("attention_decode", "cpu", env="native") == "native"
     assert dispatch.kernel_mode("moe_q3k", "cpu", env="native") == "reference"  # a bare native: where one exists
     assert dispatch.kernel_mode("attention_decode", "cuda", env="") == "pallas"
@@ -437,3 +437,62 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
             assert qm.kernel_rows(QMatrix(tiled.blocks, tiled.qtype + TILED, tiled.n_in)) == (48 if fixed else 32)
         assert qm.kernel_rows(matrix(Q.Q8_0, *small)) == 16 and qm.kernel_rows(matrix(Q.Q8_0, *large)) == 32
         assert qm.kernel_rows(matrix(Q.Q3_K, *large)) == 32
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_prefill_attention_matches_the_blocked_reference(cache_dtype):
+    """The native prefill attention (a chunk's queries against their slots, read in place) against
+    cached_attention_blocked on the same caches widened: query heads per kv head 1-6, head dims 16 to
+    128, chunks starting at 0 and deep in the cache, a row whose queries see no key (zeros) and a
+    final chunk's padding positioned past the cache."""
+    from pantheon.native.attention import attention_prefill
+
+    rng = np.random.default_rng()
+    for b, t, h, k, d, n_slots, c, start in ((1, 37, 9, 3, 64, 3, 300, 0), (2, 70, 8, 2, 128, 4, 400, 200),
+                                             (3, 5, 4, 4, 16, 3, 40, 30), (2, 20, 10, 2, 40, 2, 150, 100),
+                                             (1, 16, 12, 2, 96, 2, 100, 60)):
+        q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+        kc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
+        vc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
+        slots = jnp.asarray(rng.permutation(n_slots)[:b], jnp.int32)
+        pos = np.tile(start + np.arange(t), (b, 1)).astype(np.int32)
+        if b > 1:
+            pos[1] = -1  # a row that sees no key: zeros
+        pos = jnp.asarray(pos)
+        got = np.asarray(jax.jit(attention_prefill)(q, kc, vc, slots, pos))
+        ref = np.asarray(jax.jit(cached_attention_blocked)(q, kc.astype(jnp.float32), vc.astype(jnp.float32), slots, pos))
+        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
+        if b > 1:
+            assert not got[1].any()
+        alone = np.asarray(jax.jit(attention_prefill)(q[:1], kc, vc, slots[:1], pos[:1]))
+        np.testing.assert_array_equal(alone[0], got[0])  # independent of its batch-mates
+        split = t // 3  # ... and of the chunk it came in
+        parts = [np.asarray(jax.jit(attention_prefill)(q[:1, a:e], kc, vc, slots[:1], pos[:1, a:e]))
+                 for a, e in ((0, split), (split, t))]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=1)[0], got[0])
+    # padding past the cache's end reads no further than the cache
+    q = jnp.ones((1, 4, 2, 16), jnp.float32)
+    kc = jnp.asarray(rng.standard_normal((1, 8, 1, 16)), jnp.float32)
+    out = np.asarray(attention_prefill(q, kc, kc, jnp.zeros(1, jnp.int32), jnp.asarray([[6, 7, 8, 9]], jnp.int32)))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[0, 2], out[0, 1])  # positions 8, 9 see the cache's 8 keys, as 7
+
+
+def test_prefill_attention_refuses_out_of_range_slots():
+    from pantheon.native.attention import attention_prefill
+
+    q = jnp.zeros((1, 2, 2, 8))
+    kc = jnp.zeros((2, 4, 1, 8))
+    with pytest.raises(Exception, match="out of range"):
+        jax.block_until_ready(attention_prefill(q, kc, kc, jnp.asarray([2], jnp.int32), jnp.asarray([[0, 1]], jnp.int32)))
+
+
+def test_llamacpp_numerics_keep_the_jnp_prefill_attention():
+    """`llamacpp` numerics keep the prefill attention their llama.cpp agreement was measured on; the
+    decode kernel and `exact` numerics are unchanged (model/kernels.for_numerics)."""
+    from pantheon.model import kernels as kern
+
+    chosen = ((kern.ATTENTION_DECODE, "native"), (kern.ATTENTION_PREFILL, "native"), (kern.MOE_Q3K, "reference"))
+    assert kern.for_numerics(chosen, "exact") == chosen
+    assert dict(kern.for_numerics(chosen, "llamacpp")) == {kern.ATTENTION_DECODE: "native",
+                                                           kern.ATTENTION_PREFILL: "reference", kern.MOE_Q3K: "reference"}
