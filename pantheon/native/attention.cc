@@ -10,6 +10,7 @@
 // widened to f32 exactly as it is loaded, and all arithmetic is f32.
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -51,6 +52,17 @@ inline v8f load_kv(const uint16_t* p, std::false_type /*bf16*/) {
 struct F32Cache { using T = float; static v8f load(const float* p) { return load8(p); } };
 struct F16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::true_type{}); } };
 struct BF16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::false_type{}); } };
+
+// s[j] -> e^(s[j] - m) for j < n8 (a multiple of 8; -inf scores give 0), returning their sum.
+inline float exp_in_place(float* s, int64_t n8, float m) {
+  v8f sum = v8f{};
+  for (int64_t j = 0; j < n8; j += 8) {
+    const v8f p = exp8(load8(s + j) - m);
+    store8(s + j, p);
+    sum += p;
+  }
+  return hsum(sum);
+}
 
 // Eight sums in one vector: a[i]'s eight lanes added as ((0+1)+(2+3)) + ((4+5)+(6+7)), a fixed
 // tree, for eight keys at once (one hsum each was most of the scores' instructions).
@@ -123,14 +135,8 @@ void attend_piece(const float* q, const T* k, const T* v, int64_t step, int64_t 
     float m = s[0];
     for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
     for (int64_t j = n; j < n8; ++j) s[j] = -INFINITY;  // exp -> 0
-    v8f sum = v8f{};
-    for (int64_t j = 0; j < n8; j += 8) {
-      const v8f p = exp8(load8(s + j) - m);
-      store8(s + j, p);
-      sum += p;
-    }
     m_out[h] = m;
-    l_out[h] = hsum(sum);
+    l_out[h] = exp_in_place(s, n8, m);
   }
   // Values in blocks of positions (a block stays in L1 while every head group reads it), 16 dims
   // of a group's heads at a time in registers.
@@ -261,21 +267,28 @@ ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::An
   return ffi::Error::Success();
 }
 
-// The caches' element type picks the loader: f32, f16 or bf16 (--kv-dtype), both caches alike.
+// The caches' element type picks the loader: f32, f16 or bf16 (--kv-dtype), both caches alike;
+// run(Cache{}) with the matching one.
+template <class Run>
+ffi::Error by_cache_type(const char* kernel, ffi::AnyBuffer& k_cache, ffi::AnyBuffer& v_cache, Run&& run) {
+  const auto type = k_cache.element_type();
+  if (v_cache.element_type() != type) return ffi::Error::InvalidArgument(std::string(kernel) + ": k and v caches differ in type");
+  switch (type) {
+    case ffi::DataType::F32: return run(F32Cache{});
+    case ffi::DataType::F16: return run(F16Cache{});
+    case ffi::DataType::BF16: return run(BF16Cache{});
+    default: return ffi::Error::InvalidArgument(std::string(kernel) + ": caches must be f32, f16 or bf16");
+  }
+}
+
 // window > 0: a sliding window, keys len - window .. len - 1; ring != 0: the caches are rings.
 ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> lens,
                            ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t ring) {
-  const auto type = k_cache.element_type();
-  if (v_cache.element_type() != type) return ffi::Error::InvalidArgument("attention_decode: k and v caches differ in type");
-  switch (type) {
-    case ffi::DataType::F32: return AttendDecode<F32Cache>(pool, q, k_cache, v_cache, slots, lens, out, window, ring != 0);
-    case ffi::DataType::F16: return AttendDecode<F16Cache>(pool, q, k_cache, v_cache, slots, lens, out, window, ring != 0);
-    case ffi::DataType::BF16: return AttendDecode<BF16Cache>(pool, q, k_cache, v_cache, slots, lens, out, window, ring != 0);
-    default: return ffi::Error::InvalidArgument("attention_decode: caches must be f32, f16 or bf16");
-  }
+  return by_cache_type("attention_decode", k_cache, v_cache, [&](auto cache) {
+    return AttendDecode<decltype(cache)>(pool, q, k_cache, v_cache, slots, lens, out, window, ring != 0);
+  });
 }
-
 
 // ---- prefill: many queries a row, causal, read in place ------------------------------------------
 //
@@ -342,14 +355,8 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
         float mx = m[r];
         for (int64_t j = 0; j < seen; ++j) mx = s[j] > mx ? s[j] : mx;
         const float rescale = std::exp(m[r] - mx);  // 0 on the first block (m = -inf)
-        v8f sum = v8f{};
-        for (int64_t j = 0; j < seen8; j += 8) {
-          const v8f p = exp8(load8(s + j) - mx);
-          store8(s + j, p);
-          sum += p;
-        }
         m[r] = mx;
-        l[r] = l[r] * rescale + hsum(sum);
+        l[r] = l[r] * rescale + exp_in_place(s, seen8, mx);
         float* ar = acc + r * D;
         for (int64_t c0 = 0; c0 < d8; c0 += 8) {  // 64 dims of the output at a time, in registers
           const int64_t nc = std::min<int64_t>(8, d8 - c0);
@@ -409,37 +416,28 @@ ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::A
 ffi::Error AttentionPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                             ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
                             ffi::ResultBuffer<ffi::F32> out) {
-  const auto type = k_cache.element_type();
-  if (v_cache.element_type() != type) return ffi::Error::InvalidArgument("attention_prefill: k and v caches differ in type");
-  switch (type) {
-    case ffi::DataType::F32: return AttendPrefill<F32Cache>(pool, q, k_cache, v_cache, slots, positions, out);
-    case ffi::DataType::F16: return AttendPrefill<F16Cache>(pool, q, k_cache, v_cache, slots, positions, out);
-    case ffi::DataType::BF16: return AttendPrefill<BF16Cache>(pool, q, k_cache, v_cache, slots, positions, out);
-    default: return ffi::Error::InvalidArgument("attention_prefill: caches must be f32, f16 or bf16");
-  }
+  return by_cache_type("attention_prefill", k_cache, v_cache, [&](auto cache) {
+    return AttendPrefill<decltype(cache)>(pool, q, k_cache, v_cache, slots, positions, out);
+  });
 }
 
 }  // namespace
 }  // namespace pantheon
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionDecode, pantheon::AttentionDecode,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("ring"));
+// Both kernels take q, the two caches, the rows' slots and an int32 per row or query (lengths,
+// positions) and return f32.
+static auto attention_binding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionPrefill, pantheon::AttentionPrefill,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionDecode, pantheon::AttentionDecode,
+                              attention_binding().Attr<int64_t>("window").Attr<int64_t>("ring"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionPrefill, pantheon::AttentionPrefill, attention_binding());
