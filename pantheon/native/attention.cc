@@ -1,12 +1,14 @@
-// Decode attention read in place from the slot cache, as an XLA FFI custom call on the CPU: one
+// Attention read in place from the slot cache, as XLA FFI custom calls on the CPU. Decode: one
 // query token per row, row b attending to keys 0..lens[b]-1 of slot slots[b] (a sliding layer's:
-// the last `window` of them, from a ring where its cache is one, model/state.py). The jnp path
+// the last `window` of them, from a ring where its cache is one, model/state.py). Prefill (below):
+// a chunk's queries, each attending to the keys up to its own position. The jnp path
 // (pantheon/pallas/attention.py: cached_attention_blocked) loops over key blocks with masks and
-// rescales; this reads each row's keys and values once, at memory speed.
+// rescales; these read the keys and values a query sees, in position order.
 //
-// Per (row, kv head): scores s = (q * D^-0.5) . k for every key, softmax over them (max, exp, sum),
-// then sum_j p_j v_j / sum_j p_j. Each row is computed alone, in a fixed order, so its result does
-// not depend on its batch-mates. The cache may hold f32, f16 or bf16 (--kv-dtype); each value is
+// Per query head: scores s = (q * D^-0.5) . k for every key, softmax over them (max, exp, sum),
+// then sum_j p_j v_j / sum_j p_j, over key pieces fixed by absolute position and merged in order.
+// Each row (each query) is computed alone, in a fixed order, so its result does not depend on its
+// batch-mates. The cache may hold f32, f16 or bf16 (--kv-dtype); each value is
 // widened to f32 exactly as it is loaded, and all arithmetic is f32.
 #include <algorithm>
 #include <cmath>
@@ -73,6 +75,19 @@ inline v8f hsum8(const v8f* a) {
   return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Eight scores q . k_i in one vector: q's d8 vectors (scaled) against key i's at rows[i] + off, read
+// by Cache (its type widened to f32), a chain of FMAs a key, the eight summed across lanes at once.
+template <class Cache, class T = typename Cache::T>
+inline v8f eight_scores(const float* q, const T* const* rows, int64_t off, int64_t d8) {
+  v8f a[8];
+  for (int i = 0; i < 8; ++i) a[i] = load8(q) * Cache::load(rows[i] + off);
+  for (int64_t c = 1; c < d8; ++c) {
+    const v8f qc = load8(q + 8 * c);
+    for (int i = 0; i < 8; ++i) a[i] = fma8(qc, Cache::load(rows[i] + off + 8 * c), a[i]);
+  }
+  return hsum8(a);
+}
+
 // acc[g][0..NV) += sum_j p[g][j] v_j over n positions, for GN heads sharing one kv head (each value
 // vector widened once for the GN heads), NV vectors of each head's output in registers; per lane
 // the sum runs over positions in order. acc: head g's at acc + g * D; p: head g's at p + g * n8.
@@ -104,8 +119,8 @@ void attend_piece(const float* q, const T* k, const T* v, int64_t step, int64_t 
                   float* scores, float* m_out, float* l_out, float* acc_out) {
   const int64_t n8 = (n + 7) / 8 * 8, d8 = D / 8, G = H / K;
   const float scale = 1.f / std::sqrt((float)D);
-  std::vector<v8f> qs(H * d8);
-  for (int64_t i = 0; i < H * d8; ++i) qs[i] = load8(q + 8 * i) * scale;
+  std::vector<float> qs(H * D);
+  for (int64_t i = 0; i < H * d8; ++i) store8(qs.data() + 8 * i, load8(q + 8 * i) * scale);
   // Scores eight positions at a time, head by head (a position past n reads position n - 1; its
   // score is unused); the next eight positions are prefetched while these are scored.
   for (int64_t j = 0; j < n; j += 8) {
@@ -120,15 +135,8 @@ void attend_piece(const float* q, const T* k, const T* v, int64_t step, int64_t 
         _mm_prefetch(next_v + o, _MM_HINT_T1);
       }
     }
-    for (int64_t h = 0; h < H; ++h) {
-      const v8f* qh = qs.data() + h * d8;
-      const int64_t off = (h / G) * D;
-      v8f a[8];
-      for (int i = 0; i < 8; ++i) a[i] = qh[0] * Cache::load(kj[i] + off);
-      for (int64_t c = 1; c < d8; ++c)
-        for (int i = 0; i < 8; ++i) a[i] = fma8(qh[c], Cache::load(kj[i] + off + 8 * c), a[i]);
-      store8(scores + h * n8 + j, hsum8(a));
-    }
+    for (int64_t h = 0; h < H; ++h)
+      store8(scores + h * n8 + j, eight_scores<Cache>(qs.data() + h * D, kj, (h / G) * D, d8));
   }
   for (int64_t h = 0; h < H; ++h) {
     float* s = scores + h * n8;
@@ -339,16 +347,11 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
         const int64_t r = t * G + g;
         const float* qr = qs + r * D;
         float s[kKeys];
-        for (int64_t j = 0; j < seen; j += 8) {  // eight scores at once; past `seen`: -inf
-          v8f a[8];
-          for (int i = 0; i < 8; ++i) a[i] = v8f{};
-          const int64_t live = std::min<int64_t>(8, seen - j);
-          for (int64_t c = 0; c < d8; ++c) {
-            const v8f qc = load8(qr + 8 * c);
-            for (int i = 0; i < live; ++i) a[i] = fma8(qc, load8(kf + (j + i) * D + 8 * c), a[i]);
-          }
-          v8f sc = hsum8(a);
-          for (int i = static_cast<int>(live); i < 8; ++i) sc[i] = -INFINITY;
+        for (int64_t j = 0; j < seen; j += 8) {  // eight scores at once; a key past `seen` scores -inf
+          const float* rows[8];
+          for (int i = 0; i < 8; ++i) rows[i] = kf + std::min<int64_t>(j + i, seen - 1) * D;
+          v8f sc = eight_scores<F32Cache>(qr, rows, 0, d8);
+          for (int64_t i = seen - j; i < 8; ++i) sc[i] = -INFINITY;
           store8(s + j, sc);
         }
         const int64_t seen8 = (seen + 7) / 8 * 8;

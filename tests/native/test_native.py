@@ -287,7 +287,7 @@ def test_attention_decode_matches_the_blocked_reference(cache_dtype):
 def test_windowed_decode_in_a_ring_matches_the_reference(cache_dtype):
     """A sliding layer's decode (the last `window` keys) from the whole cache and from a ring holding
     the last R positions (p at p % R), rows before and after several wraps, a window longer than one
-    key chunk (split at 1024 and at the ring's end): the reference over the whole cache."""
+    key piece (split at multiples of 64 and at the ring's end): the reference over the whole cache."""
     rng = np.random.default_rng()
     n_slots, c, kv, d, r = 4, 6000, 2, 32, 2560
     for window in (7, 1500):
