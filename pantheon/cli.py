@@ -314,7 +314,8 @@ NUMERICS_HELP = ("exact: f32 activations (K-quant products on AVX-512 VNNI: 23-b
                  "to 8-bit blocks as llama.cpp's quantized matmuls do (reproduces llama.cpp's tokens; batch "
                  "composition can flip near-ties)")
 KV_DTYPE_HELP = ("the KV cache's type: auto (on the CPU f16, as llama.cpp, or f32 with --numerics llamacpp; bf16 "
-                 "on a GPU), f32, f16 or bf16 (default: auto)")
+                 "on a GPU), f32, f16, bf16, or q8_0 (ggml's 8-bit blocks, 8.5 bits a value; the CPU only) "
+                 "(default: auto)")
 DEFAULT_MODEL_HELP = "GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1, fetched once)"
 
 

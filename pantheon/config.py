@@ -32,7 +32,7 @@ ENV_HOST_MEMORY = "PANTHEON_HOST_MEMORY_BYTES"  # caps the host memory CPU admis
 ENV_KV_DTYPE = "PANTHEON_KV_DTYPE"  # the KV cache's type: auto (default), f32, f16, bf16
 ENV_SESSION_KEY = "PANTHEON_SESSION_KEY"  # seals session blobs (HMAC); unset: a random key per process
 
-KV_DTYPE_CHOICES = ("auto", "f32", "f16", "bf16")  # model/dtypes.kv_cache_dtype
+KV_DTYPE_CHOICES = ("auto", "f32", "f16", "bf16", "q8_0")  # model/dtypes.kv_cache_dtype
 DEFAULT_CTX_CAP = 4096
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 request_too_large (not session restore)
 

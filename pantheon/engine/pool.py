@@ -18,7 +18,7 @@ from pantheon.engine.dies import die_budget, visible_dies
 from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes, release_free_memory
 from pantheon.gguf.reader import MAX_MESSAGE, GGUFError, clip, open_gguf
-from pantheon.model.dtypes import compute_dtype, itemsize, kv_cache_dtype
+from pantheon.model.dtypes import compute_dtype, itemsize, kv_cache_dtype, kv_value_bytes
 from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
 from pantheon.model.spec import spec_from_gguf
 from pantheon.model.state import layer_lengths
@@ -76,12 +76,12 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int, kv_dtype: str = "au
             pass  # the load refuses the file with its reason; count the whole context here
     return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots,
                           itemsize(compute_dtype(jax.default_backend())),
-                          itemsize(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)), kv_positions,
+                          kv_value_bytes(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)), kv_positions,
                           gpu_blocks=jax.default_backend() in GPU_BACKENDS and not mesh)
 
 
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
-                   n_slots: int, itemsize: int = 4, kv_itemsize: int | None = None,
+                   n_slots: int, itemsize: int = 4, kv_itemsize: float | None = None,
                    kv_positions: int | None = None, gpu_blocks: bool = False) -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
     routed experts whose role stays Q3_K stay in blocks (qwen35moe.q3k_expert_roles: Q3KPlanes), every
@@ -89,7 +89,7 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     counted at it too: the router and conv taps are <0.1 % of a model), 1-D tensors stay f32; but
     an f32 dense model on the CPU with the native kernel keeps the matrices the kernel reads in
     their blocks only (weights._load_resident, either numerics); plus KV of
-    `kv_itemsize` bytes a value (default: the compute dtype's) for n_slots + the scratch slot (every layer counted, an upper bound for the
+    `kv_itemsize` bytes a value (default: the compute dtype's; q8_0's 34 / 32) for n_slots + the scratch slot (every layer counted, an upper bound for the
     hybrid's attention-only KV); kv_positions: the positions all layers hold together, where
     sliding layers hold rings (default n_layer * ctx). gpu_blocks (one GPU): the layer matrices the
     Pallas kernel reads stay in blocks as QPlanes (weights._load_planes; pallas/qmatmul.py)."""
@@ -107,7 +107,7 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
         else:
             weights += int(math.prod(shape)) * (itemsize if len(shape) > 1 else 4)
     positions = n_layer * ctx if kv_positions is None else kv_positions
-    return weights + 2 * positions * (n_slots + 1) * kv_heads * head_dim * (kv_itemsize or itemsize)
+    return weights + int(2 * positions * (n_slots + 1) * kv_heads * head_dim * (kv_itemsize or itemsize))
 
 
 class ModelPool:

@@ -52,8 +52,9 @@ class AttentionResidency:
 
     def _to_host(self, layer: int) -> None:
         cache = self.runner.cache
-        host_k = np.zeros(cache.k[layer].shape, np.float32)
-        host_v = np.zeros(cache.v[layer].shape, np.float32)
+        kind = np.uint8 if cache.k[layer].dtype == np.uint8 else np.float32  # a q8_0 cache keeps its bytes
+        host_k = np.zeros(cache.k[layer].shape, kind)
+        host_v = np.zeros(cache.v[layer].shape, kind)
         cache.k[layer], cache.v[layer] = host_k, host_v  # the device buffers are dropped
         self.host_engagements += 1
         self._failed(layer)

@@ -23,7 +23,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as Q
 from jax import lax
 
-from pantheon.gguf.quants import SCALE_FIELDS, integer_parts
+from pantheon.gguf.quants import SCALE_FIELDS, dequantize, integer_parts
 
 # ggml's vec_dot_type per weight type on the CPU backend.
 Q8_0, Q8_K, F16, BF16, NONE = "q8_0", "q8_k", "f16", "bf16", "none"
@@ -77,6 +77,21 @@ def quantize_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return v.astype(jnp.float16).astype(x.dtype)
 
     return q, fp16(d), fp16(d * jnp.sum(q, axis=-1, keepdims=True))
+
+
+def q8_0_blocks(x: jax.Array) -> jax.Array:
+    """x [..., K] (K % 32 == 0) -> ggml's Q8_0 blocks as bytes, uint8 [..., K / 32 * 34]: per 32
+    values the fp16 scale d (little-endian), then 32 int8 codes, rounded as quantize_q8_0 (ggml-cpu's
+    x86 quantizer, which llama.cpp's q8_0 KV cache is written with). The q8_0 KV cache's rows."""
+    q, d, _ = quantize_q8_0(x.astype(jnp.float32))
+    d_bytes = lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint8).reshape(*q.shape[:-1], 2)
+    codes = lax.bitcast_convert_type(q.astype(jnp.int8), jnp.uint8)
+    return jnp.concatenate([d_bytes, codes], axis=-1).reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+
+
+def q8_0_values(b: jax.Array) -> jax.Array:
+    """Q8_0 bytes uint8 [..., n * 34] -> f32 [..., n * 32]: d * code, as ggml dequantizes them."""
+    return dequantize(b, Q.Q8_0)
 
 
 def quantize_q8_k(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -33,13 +33,31 @@ def compute_dtype(backend: str, env: str | None = None):
     return _NAMES[value]
 
 
-KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}  # config.KV_DTYPE_CHOICES
-_KV_LONG_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # numpy's names -> ours
+# q8_0: ggml's 8-bit blocks (per 32 values an fp16 scale and 32 int8 codes, 34 bytes), held as the
+# bytes (uint8, a head's D values in D / 32 * 34 of them): the native CPU attention reads them.
+Q8_0_KV = jnp.dtype(jnp.uint8)
+KV_DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16, "q8_0": Q8_0_KV}  # config.KV_DTYPE_CHOICES
+_KV_LONG_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "uint8": "q8_0"}  # numpy's names -> ours
 
 
 def kv_dtype_name(dtype) -> str:
-    """A KV cache dtype as --kv-dtype names it (f32, f16, bf16)."""
+    """A KV cache dtype as --kv-dtype names it (f32, f16, bf16, q8_0)."""
     return _KV_LONG_NAMES[jnp.dtype(dtype).name]
+
+
+def kv_value_bytes(dtype) -> float:
+    """Bytes a cached value takes: the dtype's size, or q8_0's 34 / 32."""
+    return 34 / 32 if jnp.dtype(dtype) == Q8_0_KV else jnp.dtype(dtype).itemsize
+
+
+def kv_head_width(dtype, head_dim: int) -> int:
+    """A cache row's last dimension for one head of head_dim values: head_dim, or its q8_0 bytes."""
+    if jnp.dtype(dtype) != Q8_0_KV:
+        return head_dim
+    if head_dim % 32:
+        raise ValueError(f"a q8_0 KV cache needs a head dimension divisible by 32 (this model's is {head_dim}): "
+                         "use --kv-dtype f16")
+    return head_dim // 32 * 34
 
 
 def kv_cache_dtype(backend: str, name: str = "auto", numerics: str = "exact"):
@@ -51,13 +69,16 @@ def kv_cache_dtype(backend: str, name: str = "auto", numerics: str = "exact"):
     `exact`. `llamacpp` numerics round activations to 8 bits, which turns that into flips (up to
     1.1 in SmolLM2's logits), and ggml's f16 cache path also rounds Q and the probabilities to f16,
     which this one does not: llama.cpp's tokens are reproduced with f32 (pass f16 to trade that for
-    the memory)."""
+    the memory). q8_0 (the CPU only: the Pallas kernels read f32/f16/bf16) holds a value in 8.5
+    bits, as llama.cpp's `-ctk q8_0 -ctv q8_0` does."""
     name = (name or "auto").strip().lower()
     name = _KV_LONG_NAMES.get(name, name)
     if name == "auto":
         return jnp.bfloat16 if backend in GPU_BACKENDS else jnp.float32 if numerics == "llamacpp" else jnp.float16
     if name not in KV_DTYPES:
-        raise ValueError(f"unknown KV cache type {name!r} (auto, f32, f16 or bf16)")
+        raise ValueError(f"unknown KV cache type {name!r} (auto, f32, f16, bf16 or q8_0)")
+    if name == "q8_0" and backend in GPU_BACKENDS:
+        raise ValueError("a q8_0 KV cache is read by the CPU kernels only: on a GPU use --kv-dtype bf16, f16 or f32")
     return KV_DTYPES[name]
 
 

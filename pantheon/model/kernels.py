@@ -27,11 +27,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pantheon.model.dtypes import Q8_0_KV
 from pantheon.pallas import dispatch
 
 ATTENTION_PREFILL, ATTENTION_DECODE, MOE_Q3K, DELTANET = "attention_prefill", "attention_decode", "moe_q3k", "deltanet"
 Kernels = tuple[tuple[str, str], ...]
-NATIVE_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+NATIVE_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), Q8_0_KV)
 
 
 def attention_kernel(t: int) -> str:
@@ -52,13 +53,22 @@ def choose(wanted: dict[str, bool], dtype=jnp.float32) -> Kernels:
     """{kernel name: whether its Pallas kernel runs this program's shapes} -> the static `kernels`
     argument: dispatch's mode per kernel, "reference" where the kernel cannot run the shapes (the
     native decode attention runs a superset of the Pallas kernel's shapes — head dims % 8 — but
-    only a float32, float16 or bfloat16 cache: with a `dtype` (the KV cache's) of another kind it is
-    "reference")."""
+    only a float32, float16, bfloat16 or q8_0 cache, and the Pallas kernels no q8_0 one: with a
+    `dtype` (the KV cache's) they cannot read it is "reference")."""
     def mode(name: str, ok: bool) -> str:
         chosen = dispatch.kernel_mode(name) if ok else "reference"
-        return "reference" if chosen == "native" and jnp.dtype(dtype) not in NATIVE_CACHE_DTYPES else chosen
+        if chosen == "native" and jnp.dtype(dtype) not in NATIVE_CACHE_DTYPES:
+            return "reference"
+        # the Pallas kernels read f32/f16/bf16 caches; a q8_0 one takes the jnp path there
+        return "reference" if chosen in ("pallas", "interpret") and jnp.dtype(dtype) == Q8_0_KV else chosen
 
     return tuple(sorted((name, mode(name, ok)) for name, ok in wanted.items()))
+
+
+def _query(q, k_cache):
+    """q as the decode kernels take it: in the cache's dtype (bf16 on a GPU: tensor-core dots), or
+    f32 against a q8_0 cache (its bytes are not a float type)."""
+    return q.astype(jnp.float32 if k_cache.dtype == Q8_0_KV else k_cache.dtype)
 
 
 def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels, window: int = 0,
@@ -75,7 +85,7 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
     are a sliding layer's rings (state.ring_len) and kv_len the model's context."""
     modes = dict(kernels)
     if (window or ring) and q.shape[1] == 1 and modes[ATTENTION_DECODE] != "reference":  # the kernels take both
-        out = dispatch.attention_decode(q[:, 0].astype(k_cache.dtype), k_cache, v_cache, slots, positions[:, 0] + 1,
+        out = dispatch.attention_decode(_query(q[:, 0], k_cache), k_cache, v_cache, slots, positions[:, 0] + 1,
                                         mode=modes[ATTENTION_DECODE], window=window, ring=ring)
         return out[:, None].astype(q.dtype)
     if not (window or ring) and q.shape[1] > 1 and modes[ATTENTION_PREFILL] == "native":
@@ -90,7 +100,7 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
     # The kernels take q in the cache's dtype (bf16 on a GPU: tensor-core dots, f32 softmax and
     # accumulation inside) and return it in that dtype.
     if q.shape[1] == 1:
-        out = dispatch.attention_decode(q[:, 0].astype(k_cache.dtype), k_cache, v_cache, slots, positions[:, 0] + 1,
+        out = dispatch.attention_decode(_query(q[:, 0], k_cache), k_cache, v_cache, slots, positions[:, 0] + 1,
                                         kv_len=kv_len, mode=modes[ATTENTION_DECODE])
         return out[:, None].astype(q.dtype)
     keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]  # [B, S, K, D]

@@ -30,7 +30,7 @@ from pantheon.native.qmatmul import QMatrix, embed_rows
 from pantheon.pallas.qmatmul import QPlanes
 from pantheon.pallas.qmatmul import embed_rows as embed_planes
 from pantheon.model.spec import ModelSpec
-from pantheon.model.state import KVCache
+from pantheon.model.state import KVCache, kv_write
 from pantheon.model.step import LayerCall, StepInputs, direct
 
 
@@ -132,8 +132,8 @@ def block(w, kv, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv
     # lands on positions more than a window behind every query (R >= window + T).
     rows = slots[:, None]
     at = positions % k_cache.shape[1] if ring else positions
-    k_cache = k_cache.at[rows, at].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, at].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[rows, at].set(kv_write(k, k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, at].set(kv_write(v, v_cache.dtype), mode="drop")
     # A window no shorter than the cache is plain causal attention: the layer keeps the fast kernels.
     window = spec.swa_window if swa and (ring or k_cache.shape[1] > spec.swa_window) else 0
     attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels, window, ring)

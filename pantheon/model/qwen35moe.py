@@ -46,7 +46,7 @@ from pantheon.gguf.quants import SCALE_FIELDS
 from pantheon.gguf.arithmetic import IntBlocks, int_linear, quantize_activations, scheme_for, silu
 from pantheon.model.numerics import Numerics
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
-from pantheon.model.state import HybridState, allocate_hybrid_state
+from pantheon.model.state import HybridState, allocate_hybrid_state, kv_write
 from pantheon.model.step import LayerCall, StepInputs, direct
 from pantheon.model.weights import load_tensor
 from pantheon.pallas import dispatch
@@ -272,8 +272,8 @@ def _attention(w, k_cache, v_cache, h, positions, slots, spec: HybridSpec, num: 
     k = rope(rms_norm(k, w["k_norm"], spec.rms_eps), positions, spec.rope_base, spec.rope_dim, ROPE_NEOX)
 
     rows = slots[:, None]  # positions past the cache (padding of a last chunk) are dropped
-    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[rows, positions].set(kv_write(k, k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, positions].set(kv_write(v, v_cache.dtype), mode="drop")
     o = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels) * jax.nn.sigmoid(gate)  # [B, T, H, D]
     return linear(o.reshape(b, t, -1), w["wo"], num.scheme("wo")), k_cache, v_cache
 

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pantheon.gguf.arithmetic import q8_0_blocks
+from pantheon.model.dtypes import Q8_0_KV, kv_head_width
 from pantheon.model.spec import HybridSpec, ModelSpec
 
 # The most positions one program writes to a row (the runner's largest prefill chunk), and the
@@ -76,9 +78,14 @@ class KVCache:
         return sum(a.nbytes for a in self.k + self.v)
 
 
-def kv_cache_shape(spec: ModelSpec, n_slots: int, ctx: int) -> tuple[int, ...]:
-    """One layer's buffer."""
-    return (n_slots + 1, ctx, spec.n_head_kv, spec.head_dim)
+def kv_cache_shape(spec: ModelSpec, n_slots: int, ctx: int, dtype=jnp.float32) -> tuple[int, ...]:
+    """One layer's buffer (a q8_0 cache holds each head's values as D / 32 * 34 bytes)."""
+    return (n_slots + 1, ctx, spec.n_head_kv, kv_head_width(dtype, spec.head_dim))
+
+
+def kv_write(values: jax.Array, dtype) -> jax.Array:
+    """Keys or values [..., D] as a cache of `dtype` stores them: cast, or q8_0's bytes."""
+    return q8_0_blocks(values) if jnp.dtype(dtype) == Q8_0_KV else values.astype(dtype)
 
 
 def layer_lengths(spec: ModelSpec, ctx: int, windowed: bool = True) -> list[int]:
@@ -92,7 +99,7 @@ def allocate_kv_cache(spec: ModelSpec, n_slots: int, ctx: int, dtype=jnp.float32
     """Zeroed buffers; sliding layers as rings unless windowed=False (the whole context: tests
     compare the two)."""
     def zeros(n):
-        shape = kv_cache_shape(spec, n_slots, n)
+        shape = kv_cache_shape(spec, n_slots, n, dtype)
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
     lengths = layer_lengths(spec, ctx, windowed)
     return KVCache([zeros(n) for n in lengths], [zeros(n) for n in lengths], ctx)
@@ -138,7 +145,7 @@ def allocate_hybrid_state(spec: HybridSpec, n_slots: int, ctx: int, dtype=jnp.fl
     """Zeroed buffers for n_slots conversations plus the scratch slot. K/V use `dtype`; the
     recurrent state is always float32 (llama.cpp keeps it F32 too)."""
     n = n_slots + 1
-    kv = (n, ctx, spec.n_head_kv, spec.head_dim)
+    kv = (n, ctx, spec.n_head_kv, kv_head_width(dtype, spec.head_dim))
     conv = (n, spec.ssm_d_conv - 1, spec.conv_dim)
     ssm = (n, spec.ssm_dt_rank, spec.ssm_d_state, spec.ssm_d_state)
 

@@ -8,8 +8,9 @@
 // Per query head: scores s = (q * D^-0.5) . k for every key, softmax over them (max, exp, sum),
 // then sum_j p_j v_j / sum_j p_j, over key pieces fixed by absolute position and merged in order.
 // Each row (each query) is computed alone, in a fixed order, so its result does not depend on its
-// batch-mates. The cache may hold f32, f16 or bf16 (--kv-dtype); each value is
-// widened to f32 exactly as it is loaded, and all arithmetic is f32.
+// batch-mates. The cache may hold f32, f16, bf16 or q8_0 (--kv-dtype); each value is
+// widened to f32 exactly as it is loaded (q8_0: d * code, as ggml dequantizes), and all arithmetic
+// is f32.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -51,9 +52,41 @@ inline v8f load_kv(const uint16_t* p, std::true_type /*f16*/) {
 inline v8f load_kv(const uint16_t* p, std::false_type /*bf16*/) {
   return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
-struct F32Cache { using T = float; static v8f load(const float* p) { return load8(p); } };
-struct F16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::true_type{}); } };
-struct BF16Cache { using T = uint16_t; static v8f load(const uint16_t* p) { return load_kv(p, std::false_type{}); } };
+// A cache type: T its storage; at(p, e) the address e values past p (e a multiple of 32: a head's or
+// a position's start); load(p, e) values e .. e + 7 past p (e a multiple of 8) as f32; row(D) the
+// T's a head's D values take.
+template <class Elem, bool kF16>
+struct PlainCache {
+  using T = Elem;
+  static const T* at(const T* p, int64_t e) { return p + e; }
+  static v8f load(const T* p, int64_t e) {
+    if constexpr (std::is_same_v<T, float>) return load8(p + e);
+    else return load_kv(p + e, std::integral_constant<bool, kF16>{});
+  }
+  static int64_t row(int64_t D) { return D; }
+};
+using F32Cache = PlainCache<float, false>;
+using F16Cache = PlainCache<uint16_t, true>;
+using BF16Cache = PlainCache<uint16_t, false>;
+
+// ggml's q8_0 (--kv-dtype q8_0): per 32 values an fp16 scale d, then 32 int8 codes; value = d * code.
+struct Q8Cache {
+  using T = uint8_t;
+  static const T* at(const T* p, int64_t e) { return p + e / 32 * 34; }
+  static v8f load(const T* p, int64_t e) {
+    const T* b = p + e / 32 * 34;
+    const float d = _cvtsh_ss(static_cast<unsigned short>(b[0] | b[1] << 8));
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + e % 32))));
+    return (v8f)_mm256_mul_ps(q, _mm256_set1_ps(d));
+  }
+  static int64_t row(int64_t D) { return D / 32 * 34; }
+};
+
+// Whether a cache's last dimension (its T's a head) holds a head of D values for this type.
+template <class Cache>
+bool head_fits(int64_t last, int64_t D) {
+  return D % 8 == 0 && (std::is_same_v<Cache, Q8Cache> ? D % 32 == 0 : true) && last == Cache::row(D);
+}
 
 // s[j] -> e^(s[j] - m) for j < n8 (a multiple of 8; -inf scores give 0), returning their sum.
 inline float exp_in_place(float* s, int64_t n8, float m) {
@@ -80,25 +113,28 @@ inline v8f hsum8(const v8f* a) {
 template <class Cache, class T = typename Cache::T>
 inline v8f eight_scores(const float* q, const T* const* rows, int64_t off, int64_t d8) {
   v8f a[8];
-  for (int i = 0; i < 8; ++i) a[i] = load8(q) * Cache::load(rows[i] + off);
+  for (int i = 0; i < 8; ++i) a[i] = load8(q) * Cache::load(rows[i], off);
   for (int64_t c = 1; c < d8; ++c) {
     const v8f qc = load8(q + 8 * c);
-    for (int i = 0; i < 8; ++i) a[i] = fma8(qc, Cache::load(rows[i] + off + 8 * c), a[i]);
+    for (int i = 0; i < 8; ++i) a[i] = fma8(qc, Cache::load(rows[i], off + 8 * c), a[i]);
   }
   return hsum8(a);
 }
 
 // acc[g][0..NV) += sum_j p[g][j] v_j over n positions, for GN heads sharing one kv head (each value
 // vector widened once for the GN heads), NV vectors of each head's output in registers; per lane
-// the sum runs over positions in order. acc: head g's at acc + g * D; p: head g's at p + g * n8.
+// the sum runs over positions in order. acc: head g's at acc + g * D; p: head g's at p + g * n8;
+// v_j's values at off .. of position j (at v + j * step values).
 template <int GN, int NV, class Cache, class T = typename Cache::T>
-inline void head_group_values(float* acc, int64_t D, const float* p, int64_t n8, const T* v, int64_t step, int64_t n) {
+inline void head_group_values(float* acc, int64_t D, const float* p, int64_t n8, const T* v, int64_t off, int64_t step,
+                              int64_t n) {
   v8f a[GN][NV];
   for (int g = 0; g < GN; ++g)
     for (int c = 0; c < NV; ++c) a[g][c] = load8(acc + g * D + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     v8f vj[NV];
-    for (int c = 0; c < NV; ++c) vj[c] = Cache::load(v + j * step + 8 * c);
+    const T* vrow = Cache::at(v, j * step);
+    for (int c = 0; c < NV; ++c) vj[c] = Cache::load(vrow, off + 8 * c);
     for (int g = 0; g < GN; ++g) {
       const v8f pj = v8f{} + p[g * n8 + j];
       for (int c = 0; c < NV; ++c) a[g][c] = fma8(pj, vj[c], a[g][c]);
@@ -125,11 +161,11 @@ void attend_piece(const float* q, const T* k, const T* v, int64_t step, int64_t 
   // score is unused); the next eight positions are prefetched while these are scored.
   for (int64_t j = 0; j < n; j += 8) {
     const T* kj[8];
-    for (int i = 0; i < 8; ++i) kj[i] = k + std::min<int64_t>(j + i, n - 1) * step;
+    for (int i = 0; i < 8; ++i) kj[i] = Cache::at(k, std::min<int64_t>(j + i, n - 1) * step);
     if (j + 8 < n) {
-      const char* next = reinterpret_cast<const char*>(k + (j + 8) * step);
-      const int64_t bytes = std::min<int64_t>(8, n - j - 8) * step * sizeof(T);
-      const char* next_v = reinterpret_cast<const char*>(v + (j + 8) * step);
+      const char* next = reinterpret_cast<const char*>(Cache::at(k, (j + 8) * step));
+      const int64_t bytes = std::min<int64_t>(8, n - j - 8) * Cache::row(step) * static_cast<int64_t>(sizeof(T));
+      const char* next_v = reinterpret_cast<const char*>(Cache::at(v, (j + 8) * step));
       for (int64_t o = 0; o < bytes; o += 64) {
         _mm_prefetch(next + o, _MM_HINT_T0);
         _mm_prefetch(next_v + o, _MM_HINT_T1);
@@ -153,26 +189,26 @@ void attend_piece(const float* q, const T* k, const T* v, int64_t step, int64_t 
   for (int64_t j = 0; j < n; j += kBlock) {
     const int64_t nb = std::min(kBlock, n - j);
     if (j + kBlock < n) {  // the next block, fetched while this one is summed
-      const char* next = reinterpret_cast<const char*>(v + (j + kBlock) * step);
-      const int64_t bytes = std::min(kBlock, n - j - kBlock) * step * static_cast<int64_t>(sizeof(T));
+      const char* next = reinterpret_cast<const char*>(Cache::at(v, (j + kBlock) * step));
+      const int64_t bytes = std::min(kBlock, n - j - kBlock) * Cache::row(step) * static_cast<int64_t>(sizeof(T));
       for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     }
     for (int64_t kh = 0; kh < K; ++kh) {
-      const T* vb = v + j * step + kh * D;
+      const T* vb = Cache::at(v, j * step);
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t gn = std::min<int64_t>(4, G - g0), h0 = kh * G + g0;
         const float* p = scores + h0 * n8 + j;
         for (int64_t c = 0; c < d8; c += 2) {
           float* acc = acc_out + h0 * D + 8 * c;
           switch (static_cast<int>(gn) * 2 + (d8 - c >= 2 ? 1 : 0)) {
-            case 9: head_group_values<4, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
-            case 8: head_group_values<4, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
-            case 7: head_group_values<3, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
-            case 6: head_group_values<3, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
-            case 5: head_group_values<2, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
-            case 4: head_group_values<2, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
-            case 3: head_group_values<1, 2, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
-            default: head_group_values<1, 1, Cache>(acc, D, p, n8, vb + 8 * c, step, nb); break;
+            case 9: head_group_values<4, 2, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
+            case 8: head_group_values<4, 1, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
+            case 7: head_group_values<3, 2, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
+            case 6: head_group_values<3, 1, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
+            case 5: head_group_values<2, 2, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
+            case 4: head_group_values<2, 1, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
+            case 3: head_group_values<1, 2, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
+            default: head_group_values<1, 1, Cache>(acc, D, p, n8, vb, kh * D + 8 * c, step, nb); break;
           }
         }
       }
@@ -211,8 +247,8 @@ ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::An
   const auto qd = q.dimensions(), cd = k_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 4) return ffi::Error::InvalidArgument("attention_decode: q [B,H,D], caches [N,C,K,D]");
   const int64_t B = qd[0], H = qd[1], D = qd[2], N = cd[0], C = cd[1], K = cd[2];
-  if (cd[3] != D || D % 8 != 0 || K == 0 || H % K != 0)
-    return ffi::Error::InvalidArgument("attention_decode: head dims do not match (D % 8 == 0, H % K == 0)");
+  if (!head_fits<Cache>(cd[3], D) || K == 0 || H % K != 0)
+    return ffi::Error::InvalidArgument("attention_decode: head dims do not match (D % 8 == 0, q8_0: D % 32 == 0; H % K == 0)");
   if (ring && (window <= 0 || window > C)) return ffi::Error::InvalidArgument("attention_decode: a ring needs a window it holds");
   const int32_t* sp = slots.typed_data();
   const int32_t* lp = lens.typed_data();
@@ -245,7 +281,7 @@ ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::An
       const int64_t base = (int64_t)sp[b] * C * K * D;
       const int64_t start = pieces[t].start % C, n = pieces[t].n;  // a piece never wraps a ring
       scores.resize(H * ((n + 7) / 8 * 8));
-      attend_piece<Cache>(qp + b * H * D, kp + base + start * K * D, vp + base + start * K * D, K * D, n, H, K, D,
+      attend_piece<Cache>(qp + b * H * D, Cache::at(kp, base + start * K * D), Cache::at(vp, base + start * K * D), K * D, n, H, K, D,
                           scores.data(), &ms[t * H], &ls[t * H], &accs[t * H * D]);
     }
   });
@@ -275,7 +311,7 @@ ffi::Error AttendDecode(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::An
   return ffi::Error::Success();
 }
 
-// The caches' element type picks the loader: f32, f16 or bf16 (--kv-dtype), both caches alike;
+// The caches' element type picks the loader: f32, f16, bf16 or q8_0 (u8 blocks; --kv-dtype), both alike;
 // run(Cache{}) with the matching one.
 template <class Run>
 ffi::Error by_cache_type(const char* kernel, ffi::AnyBuffer& k_cache, ffi::AnyBuffer& v_cache, Run&& run) {
@@ -285,7 +321,8 @@ ffi::Error by_cache_type(const char* kernel, ffi::AnyBuffer& k_cache, ffi::AnyBu
     case ffi::DataType::F32: return run(F32Cache{});
     case ffi::DataType::F16: return run(F16Cache{});
     case ffi::DataType::BF16: return run(BF16Cache{});
-    default: return ffi::Error::InvalidArgument(std::string(kernel) + ": caches must be f32, f16 or bf16");
+    case ffi::DataType::U8: return run(Q8Cache{});
+    default: return ffi::Error::InvalidArgument(std::string(kernel) + ": caches must be f32, f16, bf16 or q8_0 (u8)");
   }
 }
 
@@ -337,8 +374,8 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
     const int64_t n = std::min(kKeys, reach - j0);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t c = 0; c < d8; ++c) {
-        store8(kf + j * D + 8 * c, Cache::load(k + (j0 + j) * step + kh * D + 8 * c));
-        store8(vf + j * D + 8 * c, Cache::load(v + (j0 + j) * step + kh * D + 8 * c));
+        store8(kf + j * D + 8 * c, Cache::load(Cache::at(k, (j0 + j) * step), kh * D + 8 * c));
+        store8(vf + j * D + 8 * c, Cache::load(Cache::at(v, (j0 + j) * step), kh * D + 8 * c));
       }
     for (int64_t t = 0; t < nq; ++t) {
       const int64_t seen = std::min<int64_t>(n, std::min<int64_t>(pos[t], C - 1) + 1 - j0);  // keys j0.. visible to t
@@ -391,8 +428,8 @@ ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::A
   const auto qd = q.dimensions(), cd = k_cache.dimensions();
   if (qd.size() != 4 || cd.size() != 4) return ffi::Error::InvalidArgument("attention_prefill: q [B,T,H,D], caches [N,C,K,D]");
   const int64_t B = qd[0], Tq = qd[1], H = qd[2], D = qd[3], N = cd[0], C = cd[1], K = cd[2];
-  if (cd[3] != D || D % 8 != 0 || K == 0 || H % K != 0)
-    return ffi::Error::InvalidArgument("attention_prefill: head dims do not match (D % 8 == 0, H % K == 0)");
+  if (!head_fits<Cache>(cd[3], D) || K == 0 || H % K != 0)
+    return ffi::Error::InvalidArgument("attention_prefill: head dims do not match (D % 8 == 0, q8_0: D % 32 == 0; H % K == 0)");
   const int32_t* sp = slots.typed_data();
   const int32_t* pp = positions.typed_data();
   for (int64_t b = 0; b < B; ++b)
@@ -409,7 +446,7 @@ ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::A
       const int64_t b = task / (blocks * K), qb = (task / K) % blocks, kh = task % K;
       const int64_t first = qb * kQueries, nq = std::min(kQueries, Tq - first);
       const int64_t base = (int64_t)sp[b] * C * K * D;
-      prefill_task<Cache>(qp + (b * Tq + first) * H * D, kp + base, vp + base, pp + b * Tq + first, nq, C, H, K, D, kh,
+      prefill_task<Cache>(qp + (b * Tq + first) * H * D, Cache::at(kp, base), Cache::at(vp, base), pp + b * Tq + first, nq, C, H, K, D, kh,
                           op + (b * Tq + first) * H * D, buffer.data());
     }
   });

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pantheon.gguf.arithmetic import q8_0_values
 from pantheon.pallas.lowering import triton_params
 
 # A squeezed block dim: `pl.squeezed` where this jax has it (None is the older spelling).
@@ -259,9 +260,11 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         raise ValueError(f"cached_attention_blocked: a ring of {r} must be a multiple of the key blocks "
                          f"({bf}, {bk}; {span} in fine ones) and hold the window ({window}) and the step ({t})")
 
-    def read(cache, start, n):  # [B, n, K, D]: each row's slot, keys start..start+n-1
+    def read(cache, start, n):  # [B, n, K, D] f32: each row's slot, keys start..start+n-1
         at = start % r if ring else start  # a block never wraps: aligned, and r a multiple of n
-        return jax.vmap(lambda s: jax.lax.dynamic_slice(cache, (s, at, 0, 0), (1, n, kh, d))[0])(slots)
+        width = cache.shape[3]  # D, or a q8_0 cache's D / 32 * 34 bytes
+        block = jax.vmap(lambda s: jax.lax.dynamic_slice(cache, (s, at, 0, 0), (1, n, kh, width))[0])(slots)
+        return q8_0_values(block) if block.dtype == jnp.uint8 else block.astype(jnp.float32)
 
     def attend_block(carry, first, start, n):
         """Keys first..first+n-1 (read from `start` <= first: a block may overlap the one before it
@@ -272,8 +275,8 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         visible = fresh[None, None, :] & (kpos[None, None, :] <= q_pos[:, :, None])  # [B, T, n]
         if window:
             visible = visible & (q_pos[:, :, None] - kpos[None, None, :] < window)
-        k = read(k_cache, start, n).astype(jnp.float32)
-        v = read(v_cache, start, n).astype(jnp.float32)
+        k = read(k_cache, start, n)
+        v = read(v_cache, start, n)
         seen = fresh[None, :] & (kpos[None, :] <= last[:, None])  # [B, n]: no stale NaN leaks via 0 * x
         if ring:  # and a ring slot holds kpos only while kpos is among the last r positions
             seen = seen & (kpos[None, :] > last[:, None] - r)

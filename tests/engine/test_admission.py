@@ -118,11 +118,12 @@ def test_bytes_per_device_survives_buffers_donated_by_a_running_step(tmp_path):
     assert engine.bytes_per_device() == before
 
 
-@pytest.mark.parametrize("kv_dtype,itemsize", [("f32", 4), ("f16", 2), ("bf16", 2), ("auto", 2)])
+@pytest.mark.parametrize("kv_dtype,itemsize", [("f32", 4), ("f16", 2), ("bf16", 2), ("auto", 2), ("q8_0", 34 / 32)])
 def test_the_kv_cache_is_charged_in_its_type(tmp_path, kv_dtype, itemsize):
     from pantheon.engine.engine import Engine
+    from pantheon.model.dtypes import kv_value_bytes
 
-    path = write_tiny_llama(tmp_path / "m.gguf")
+    path = write_tiny_llama(tmp_path / "m.gguf", n_embd=128)  # head dim 32: q8_0's blocks
     per_slot = (estimate_device_bytes(str(path), 64, 1, kv_dtype=kv_dtype)
                 - estimate_device_bytes(str(path), 64, 0, kv_dtype=kv_dtype))
     spec = spec_from_gguf(open_gguf(path))
@@ -130,7 +131,7 @@ def test_the_kv_cache_is_charged_in_its_type(tmp_path, kv_dtype, itemsize):
     engine = Engine(ModelConfig(str(path), ctx_cap=64, max_sessions=1, kv_dtype=kv_dtype))
     try:
         assert engine.kv_bytes == 2 * per_slot  # one session and the scratch slot
-        assert engine.runner.cache.k[0].dtype.itemsize == itemsize
+        assert kv_value_bytes(engine.runner.cache.k[0].dtype) == itemsize
         assert engine.kv_dtype_name == (kv_dtype if kv_dtype != "auto" else "f16")  # the CPU's default
     finally:
         engine.stop()
@@ -145,6 +146,8 @@ def test_an_unknown_kv_type_is_refused(tmp_path, monkeypatch):
     # auto: f16 on the CPU, f32 with llamacpp numerics (its tokens are llama.cpp's with f32), bf16 on a GPU
     assert kv_cache_dtype("cpu") == jnp.float16 and kv_cache_dtype("cpu", "auto", "llamacpp") == jnp.float32
     assert kv_cache_dtype("cuda") == jnp.bfloat16 and kv_cache_dtype("cpu", "f16", "llamacpp") == jnp.float16
+    with pytest.raises(ValueError, match="CPU"):  # the Pallas kernels read no q8_0 cache
+        kv_cache_dtype("cuda", "q8_0")
     monkeypatch.setenv(ENV_KV_DTYPE, "q4_0")
     with pytest.raises(ValueError, match="PANTHEON_KV_DTYPE"):
         ServeConfig.from_env()
@@ -166,3 +169,13 @@ def test_a_model_past_the_host_budget_is_refused_before_loading(tmp_path, monkey
     with pytest.raises(PoolError) as e:
         ModelPool().admit(config)
     assert e.value.status == 507 and "admission refused" in e.value.message and ENV_HOST_MEMORY in e.value.message
+
+
+def test_a_q8_0_cache_needs_heads_of_whole_blocks(tmp_path):
+    """q8_0 holds 32 values a block: a model whose head dimension is not a multiple of 32 is refused
+    at load with the reason, not misread."""
+    from pantheon.engine.engine import Engine
+
+    path = write_tiny_llama(tmp_path / "m.gguf")  # head dim 16
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Engine(ModelConfig(str(path), ctx_cap=64, max_sessions=1, kv_dtype="q8_0"))

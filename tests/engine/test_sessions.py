@@ -277,7 +277,7 @@ def test_a_restore_parked_on_the_host_is_private_and_a_fresh_prefill_clears_the_
 
 
 # ---- through a real engine: the runner's export_slot / import_slot as spill / fill ------------------
-@pytest.fixture(scope="module", params=["dense", "hybrid", "sliding rings"])
+@pytest.fixture(scope="module", params=["dense", "hybrid", "sliding rings", "dense q8_0 KV"])
 def one_slot_engine(request, tmp_path_factory):
     from pantheon.config import ModelConfig
     from pantheon.engine.engine import Engine
@@ -289,8 +289,11 @@ def one_slot_engine(request, tmp_path_factory):
     else:  # "sliding rings": gemma3 with a window of 8, its sliding layers' KV in rings (model/state.py)
         sliding = dict(arch="gemma3", qk_norm=True, extra_metadata={
             "gemma3.attention.sliding_window": 8, "gemma3.context_length": ctx}) if request.param != "dense" else {}
+        if request.param == "dense q8_0 KV":  # ggml's 8-bit blocks, heads of 32 values
+            sliding = dict(n_embd=128)
         path = write_tiny_llama(tmp_path_factory.mktemp("tier") / "tiny.gguf", seed=5, **sliding)
-    config = ModelConfig(str(path), ctx_cap=ctx, max_sessions=1, max_concurrent=1)
+    config = ModelConfig(str(path), ctx_cap=ctx, max_sessions=1, max_concurrent=1,
+                         kv_dtype="q8_0" if request.param == "dense q8_0 KV" else "auto")
     engine = Engine(config, host_budget=HostBudget(1 << 30))
     rings = engine.runner.positional() != {f"{n}.{i}" for n in "kv" for i in range(len(engine.runner.cache.k))}
     assert rings == (request.param == "sliding rings")  # a ring exports its whole row

@@ -11,6 +11,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as Q
 
 from pantheon.config import ENV_NATIVE
+from pantheon.gguf.arithmetic import q8_0_blocks, q8_0_values
 from pantheon.gguf.quants import dequantize_np, quantize_np
 from pantheon.native import build
 from pantheon.native.attention import attention_decode
@@ -258,7 +259,20 @@ def test_unpacked_codes_hold_the_same_weights(qtype):
             qmatmul(jnp.ones((1, 256), jnp.float32), QMatrix(jnp.asarray(packed), int(qtype), 256))
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def as_cache(values, cache_dtype):
+    """Random cache values as a cache of this type (--kv-dtype), and the values it holds as f32: a
+    q8_0 cache is ggml's blocks (gguf.arithmetic.q8_0_blocks), read back as d * code."""
+    if cache_dtype == "q8_0":
+        blocks = q8_0_blocks(jnp.asarray(values, jnp.float32))
+        return blocks, q8_0_values(blocks)
+    cache = jnp.asarray(values, cache_dtype)
+    return cache, cache.astype(jnp.float32)
+
+
+CACHE_TYPES = [jnp.float32, jnp.float16, jnp.bfloat16, "q8_0"]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
 def test_attention_decode_matches_the_blocked_reference(cache_dtype):
     """Every cache type the kernel reads (--kv-dtype): the reference reads the same cache widened."""
     rng = np.random.default_rng()
@@ -267,23 +281,24 @@ def test_attention_decode_matches_the_blocked_reference(cache_dtype):
     # 8-wide vectors (40: five), rows shorter than one 8-position score block and longer than a piece
     for b, h, k, d, n_slots, c in ((1, 9, 3, 64, 4, 300), (5, 8, 2, 128, 6, 700), (3, 4, 4, 16, 3, 17),
                                    (3, 6, 3, 32, 3, 2600), (2, 10, 2, 40, 3, 90), (2, 12, 2, 96, 3, 150)):
+        if cache_dtype == "q8_0" and d % 32:
+            continue  # q8_0 blocks hold 32 values
         q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
-        kc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
-        vc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
+        kc, kf = as_cache(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
+        vc, vf = as_cache(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
         slots = jnp.asarray(rng.integers(0, n_slots, b), jnp.int32)
         pos = rng.integers(0, c, b)
         pos[0] = -1 if b > 1 else pos[0]  # a row that sees no key: zeros
         pos[-1] = c - 1 if c > 2048 else pos[-1]
         pos = jnp.asarray(pos, jnp.int32)
         got = np.asarray(jax.jit(attention_decode)(q, kc, vc, slots, pos + 1))
-        ref = np.asarray(jax.jit(cached_attention_blocked)(q[:, None], kc.astype(jnp.float32), vc.astype(jnp.float32),
-                                                           slots, pos[:, None])[:, 0])
+        ref = np.asarray(jax.jit(cached_attention_blocked)(q[:, None], kf, vf, slots, pos[:, None])[:, 0])
         np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
         one = np.asarray(jax.jit(attention_decode)(q[-1:], kc, vc, slots[-1:], pos[-1:] + 1))
         np.testing.assert_array_equal(one[0], got[-1])  # independent of its batch-mates
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16])
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16, "q8_0"])
 def test_windowed_decode_in_a_ring_matches_the_reference(cache_dtype):
     """A sliding layer's decode (the last `window` keys) from the whole cache and from a ring holding
     the last R positions (p at p % R), rows before and after several wraps, a window longer than one
@@ -294,6 +309,8 @@ def test_windowed_decode_in_a_ring_matches_the_reference(cache_dtype):
         q = jnp.asarray(rng.standard_normal((4, 6, d)), jnp.float32)
         full_k = rng.standard_normal((n_slots, c, kv, d)).astype(np.float32) * 2
         full_v = rng.standard_normal((n_slots, c, kv, d)).astype(np.float32)
+        if cache_dtype == "q8_0":  # the values the cache can hold: the reference reads the same
+            full_k, full_v = (np.asarray(as_cache(a, "q8_0")[1]) for a in (full_k, full_v))
         slots = np.array([0, 1, 3, 2], np.int32)  # a ring holds one row's positions: a slot each
         pos = np.array([5999, 3000, 40, 2559], np.int32)
         ring_k, ring_v = (rng.standard_normal((n_slots, r, kv, d)).astype(np.float32) for _ in range(2))  # stale
@@ -304,10 +321,10 @@ def test_windowed_decode_in_a_ring_matches_the_reference(cache_dtype):
                                               jnp.asarray(pos[:, None]), window=window)[:, 0])
         lens = jnp.asarray(pos + 1)
         for kc, vc, ring in ((full_k, full_v, False), (ring_k, ring_v, True)):
-            kc, vc = jnp.asarray(kc, cache_dtype), jnp.asarray(vc, cache_dtype)
+            kc, vc = as_cache(kc, cache_dtype)[0], as_cache(vc, cache_dtype)[0]
             run = jax.jit(partial(attention_decode, window=window, ring=ring))
             got = np.asarray(run(q, kc, vc, jnp.asarray(slots), lens))
-            tol = 2e-5 if cache_dtype == jnp.float32 else 5e-3  # f16 rounds the cache itself
+            tol = 5e-3 if cache_dtype == jnp.float16 else 2e-5  # f16 rounds the cache itself (q8_0's hold their values)
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
             one = np.asarray(run(q[1:2], kc, vc, jnp.asarray(slots[1:2]), lens[1:2]))
             np.testing.assert_array_equal(one[0], got[1])  # independent of its batch-mates
@@ -439,7 +456,7 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
         assert qm.kernel_rows(matrix(Q.Q3_K, *large)) == 32
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
 def test_prefill_attention_matches_the_blocked_reference(cache_dtype):
     """The native prefill attention (a chunk's queries against their slots, read in place) against
     cached_attention_blocked on the same caches widened: query heads per kv head 1-6, head dims 16 to
@@ -451,16 +468,18 @@ def test_prefill_attention_matches_the_blocked_reference(cache_dtype):
     for b, t, h, k, d, n_slots, c, start in ((1, 37, 9, 3, 64, 3, 300, 0), (2, 70, 8, 2, 128, 4, 400, 200),
                                              (3, 5, 4, 4, 16, 3, 40, 30), (2, 20, 10, 2, 40, 2, 150, 100),
                                              (1, 16, 12, 2, 96, 2, 100, 60)):
+        if cache_dtype == "q8_0" and d % 32:
+            continue
         q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
-        kc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
-        vc = jnp.asarray(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
+        kc, kf = as_cache(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
+        vc, vf = as_cache(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
         slots = jnp.asarray(rng.permutation(n_slots)[:b], jnp.int32)
         pos = np.tile(start + np.arange(t), (b, 1)).astype(np.int32)
         if b > 1:
             pos[1] = -1  # a row that sees no key: zeros
         pos = jnp.asarray(pos)
         got = np.asarray(jax.jit(attention_prefill)(q, kc, vc, slots, pos))
-        ref = np.asarray(jax.jit(cached_attention_blocked)(q, kc.astype(jnp.float32), vc.astype(jnp.float32), slots, pos))
+        ref = np.asarray(jax.jit(cached_attention_blocked)(q, kf, vf, slots, pos))
         np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
         if b > 1:
             assert not got[1].any()

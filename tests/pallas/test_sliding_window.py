@@ -120,3 +120,29 @@ def test_the_pallas_decode_kernel_takes_a_window_and_a_ring(ring):
     got = decode_attention(jnp.asarray(q), jnp.asarray(k_in), jnp.asarray(v_in), jnp.asarray(slots),
                            jnp.asarray(pos + 1), block_k=32, num_splits=2, interpret=True, window=window, ring=ring)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_a_q8_0_cache_is_read_as_its_values(window):
+    """--kv-dtype q8_0 on the jnp paths: the blocked attention and the host fallback read ggml's
+    blocks as d * code (and the host one writes this step's keys and values as blocks): the
+    reference over the values the blocks hold."""
+    from pantheon.gguf.arithmetic import q8_0_blocks, q8_0_values
+
+    rng = np.random.default_rng(window)
+    k, v = caches(rng, d=64)
+    kq, vq = (np.asarray(q8_0_blocks(jnp.asarray(a))) for a in (k, v))
+    kf, vf = (np.asarray(q8_0_values(jnp.asarray(a))) for a in (kq, vq))
+    q = rng.standard_normal((2, 3, 4, 64)).astype(np.float32)
+    slots = np.array([2, 0], np.int32)
+    pos = np.stack([np.arange(60, 63), np.arange(3, 6)]).astype(np.int32)
+    want = attention_reference(jnp.asarray(q), jnp.asarray(kf[slots]), jnp.asarray(vf[slots]), jnp.asarray(pos),
+                               window=window)
+    got = cached_attention_blocked(jnp.asarray(q), jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(slots), jnp.asarray(pos),
+                                   fine_k=8, fine_span=16, block_k=32, window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    rows = np.arange(2)[:, None]
+    host_k, host_v = kq.copy(), vq.copy()
+    host = host_attend(q, kf[slots][rows, pos], vf[slots][rows, pos], host_k, host_v, pos, slots, window)
+    np.testing.assert_allclose(host, np.asarray(want), atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(host_k, kq)  # the values written back as the same blocks

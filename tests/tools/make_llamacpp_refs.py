@@ -105,6 +105,10 @@ DEFAULT_ATTENTION = {
     "gemma3_window8_q8_0_fa_f16kv": dict(CONFIGS["gemma3_window8_f32"], weight_type=Q.Q8_0),
 }
 CONFIGS.update(DEFAULT_ATTENTION)
+# Recorded with llama.cpp's 8-bit cache (flash attention on, -ctk q8_0 -ctv q8_0; head dim 32, q8_0's
+# block): Pantheon's --kv-dtype q8_0 against it.
+Q8_0_KV = {"llama_f32_fa_q8kv": dict(arch="llama", weight_type=Q.F32, n_embd=128)}
+CONFIGS.update(Q8_0_KV)
 # token ids of the fixture vocabulary (bytes at 3.., merges after 258): prompts of several lengths
 PROMPTS = [
     [1, 75, 104, 108, 108, 111, 35, 122, 111, 114, 108, 103],
@@ -150,9 +154,10 @@ def record(server: str, name: str, kwargs: dict, work: Path) -> dict:
     port = free_port()
     log = open(work / f"{name}.log", "wb")
     attention = ["-fa", "off", "-ctk", "f32", "-ctv", "f32"]
-    if name in DEFAULT_ATTENTION:
-        attention = ["-fa", "on", "-ctk", "f16", "-ctv", "f16"]
-        out["server"] = {"flash_attention": True, "kv": "f16"}
+    if name in DEFAULT_ATTENTION or name in Q8_0_KV:
+        kv = "q8_0" if name in Q8_0_KV else "f16"
+        attention = ["-fa", "on", "-ctk", kv, "-ctv", kv]
+        out["server"] = {"flash_attention": True, "kv": kv}
     proc = subprocess.Popen([server, "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
                              "-np", "1", "-t", "2", "-tb", "2", *attention, "--no-warmup"],
                             stdout=log, stderr=subprocess.STDOUT)
