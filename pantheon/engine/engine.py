@@ -90,6 +90,14 @@ def text_of(gguf: GGUFFile, path: Path) -> tuple[Tokenizer, ChatTemplate | None]
         raise GGUFError(f"{path}: {' '.join(str(e).split())}") from None
 
 
+def _finite(a: np.ndarray) -> bool:
+    """Whether a state array holds only finite values: floats as they are; a q8_0 KV cache's bytes
+    (uint8, ggml's 34-byte blocks: model/dtypes.Q8_0_KV) through their fp16 scales."""
+    if a.dtype == np.uint8:
+        return bool(np.isfinite(np.ascontiguousarray(a).reshape(-1, 34)[:, :2].copy().view(np.float16)).all())
+    return a.dtype.kind in "ib" or bool(np.isfinite(a.astype(np.float32, copy=False)).all())
+
+
 class Engine:
     def __init__(self, config: ModelConfig, settings: Settings | None = None, *, device=None,
                  host_budget: HostBudget | None = None, blob_key: bytes | None = None):
@@ -426,7 +434,7 @@ class Engine:
         if got != layout:
             raise bad("blob arrays do not fit this model's state layout")
         for k, a in arrays.items():  # a NaN in one position would poison every later token of the session
-            if a.dtype.kind not in "iub" and not np.isfinite(a.astype(np.float32, copy=False)).all():
+            if not _finite(a):
                 raise bad(f"blob array {k!r} holds non-finite values")
         try:
             self.table.restore(session_id, list(tokens), arrays)

@@ -318,3 +318,29 @@ def test_a_session_moved_to_the_host_exports_the_same_bytes_and_resumes_token_id
     assert warm == cold
     for sid in ("a", "b"):
         engine.table.release(sid)
+
+
+def test_a_q8_0_blob_with_a_non_finite_scale_is_refused(tmp_path):
+    """A q8_0 cache's blocks carry fp16 scales: a NaN or infinite one, even sealed with the server's
+    key, is refused like a non-finite float cache value (tests/web/test_session_security.py), as it
+    would poison every later token."""
+    from pantheon.config import ModelConfig
+    from pantheon.engine import blob as session_blob
+    from pantheon.engine.engine import Engine, SessionError
+    from tests.engine.test_hybrid_engine import generate
+    from tests.fixtures.tiny_models import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_embd=128)  # heads of 32: q8_0's blocks
+    engine = Engine(ModelConfig(str(path), ctx_cap=128, max_sessions=2, kv_dtype="q8_0"))
+    generate(engine, [5, 6, 7, 8], 3, session="scale")
+    exported = engine.export_session("scale")
+    header, arrays = session_blob.unpack(exported["blob"], engine.blob_key)
+    header = {k: v for k, v in header.items() if k != "arrays"}
+    for bits in (0x7E00, 0x7C00):  # fp16 NaN, +inf
+        poisoned = {k: a.copy() for k, a in arrays.items()}
+        first = next(k for k, a in poisoned.items() if a.dtype == np.uint8)
+        poisoned[first].reshape(-1, 34)[0, :2] = np.array([bits], np.uint16).view(np.uint8)
+        with pytest.raises(SessionError, match="non-finite"):
+            engine.restore_session("scale2", session_blob.pack(header, poisoned, engine.blob_key), exported["tokens"])
+    assert engine.restore_session("scale2", exported["blob"], exported["tokens"])["restored"]
+    engine.stop()
