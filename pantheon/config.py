@@ -29,7 +29,7 @@ ENV_ADVERTISE = "PANTHEON_ADVERTISE"  # the URL the router reaches this instance
 ENV_WARMUP = "PANTHEON_WARMUP"  # "0": compile on first use instead of at load (tests)
 ENV_ACCESS_LOG = "PANTHEON_ACCESS_LOG"  # text (default), json or off: one line per request (web/observe.py)
 ENV_HOST_MEMORY = "PANTHEON_HOST_MEMORY_BYTES"  # caps the host memory CPU admission plans with
-ENV_KV_DTYPE = "PANTHEON_KV_DTYPE"  # the KV cache's type: auto (default), f32, f16, bf16
+ENV_KV_DTYPE = "PANTHEON_KV_DTYPE"  # the KV cache's type: auto (default), f32, f16, bf16, q8_0
 ENV_SESSION_KEY = "PANTHEON_SESSION_KEY"  # seals session blobs (HMAC); unset: a random key per process
 
 KV_DTYPE_CHOICES = ("auto", "f32", "f16", "bf16", "q8_0")  # model/dtypes.kv_cache_dtype
