@@ -94,6 +94,12 @@ def q8_0_values(b: jax.Array) -> jax.Array:
     return dequantize(b, Q.Q8_0)
 
 
+def kv_values(block: jax.Array) -> jax.Array:
+    """Keys or values read from a KV cache, as f32: a q8_0 cache's bytes (uint8: q8_0_blocks)
+    decoded, a float cache's widened."""
+    return q8_0_values(block) if block.dtype == jnp.uint8 else block.astype(jnp.float32)
+
+
 def quantize_q8_k(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., K] as ggml rounds it to Q8_K blocks of 256 (quantize_row_q8_K_ref): (q [..., K/256, 256],
     d [..., K/256, 1]), the scale from the signed extreme value (iscale = -127 / max, d = 1 / iscale,

@@ -1,12 +1,14 @@
 """Causal GQA attention on the host (numpy, float32): the fallback for a layer whose KV buffers
 could not be allocated on the device. Same math as pantheon.pallas.attention.attention_reference.
-A q8_0 cache (uint8: ggml's blocks) is written and read through gguf.arithmetic's encoding."""
+A q8_0 cache (uint8: ggml's blocks) is written and read as the device's is (state.kv_write,
+gguf.arithmetic.kv_values)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from pantheon.gguf.arithmetic import q8_0_blocks, q8_0_values
+from pantheon.gguf.arithmetic import kv_values
+from pantheon.model.state import kv_write
 
 
 def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, slots, window: int = 0,
@@ -19,21 +21,15 @@ def host_attend(q, k, v, k_cache: np.ndarray, v_cache: np.ndarray, positions, sl
     b, t, h, d = q.shape
     n_kv, ctx = k.shape[2], k_cache.shape[1]
     out = np.zeros_like(q)
-    q8 = k_cache.dtype == np.uint8
-
-    def store(x):
-        return np.asarray(q8_0_blocks(x)) if q8 else x
-
-    def load(x):
-        return np.asarray(q8_0_values(x)) if q8 else x.astype(np.float32)
     for row in range(b):
         pos, slot = positions[row], slots[row]
         keep = np.ones_like(pos, bool) if ring else pos < ctx
-        k_cache[slot, pos[keep] % ctx] = store(k[row, keep])
-        v_cache[slot, pos[keep] % ctx] = store(v[row, keep])
+        k_cache[slot, pos[keep] % ctx] = np.asarray(kv_write(k[row, keep], k_cache.dtype))
+        v_cache[slot, pos[keep] % ctx] = np.asarray(kv_write(v[row, keep], v_cache.dtype))
         s = int(pos.max()) + 1 if keep.any() else 0
         kpos = np.arange(max(s - ctx, 0), s) if ring else np.arange(s)  # the positions the cache holds
-        keys, values = load(k_cache[slot, kpos % ctx]), load(v_cache[slot, kpos % ctx])  # [S, K, D]
+        keys = np.asarray(kv_values(k_cache[slot, kpos % ctx]))  # [S, K, D] f32
+        values = np.asarray(kv_values(v_cache[slot, kpos % ctx]))
         qg = q[row].reshape(t, n_kv, h // n_kv, d)
         scores = np.einsum("tkgd,skd->tkgs", qg, keys) / np.sqrt(d)
         visible = kpos[None, None, None, :] <= pos[:, None, None, None]

@@ -193,8 +193,8 @@ void attend_piece(const float* q, const T* k, const T* v, int64_t step, int64_t 
       const int64_t bytes = std::min(kBlock, n - j - kBlock) * Cache::row(step) * static_cast<int64_t>(sizeof(T));
       for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     }
+    const T* vb = Cache::at(v, j * step);  // this block's first position; a head's values at kh * D past it
     for (int64_t kh = 0; kh < K; ++kh) {
-      const T* vb = Cache::at(v, j * step);
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t gn = std::min<int64_t>(4, G - g0), h0 = kh * G + g0;
         const float* p = scores + h0 * n8 + j;

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pantheon.gguf.arithmetic import q8_0_values
+from pantheon.gguf.arithmetic import kv_values
 from pantheon.pallas.lowering import triton_params
 
 # A squeezed block dim: `pl.squeezed` where this jax has it (None is the older spelling).
@@ -263,8 +263,7 @@ def cached_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     def read(cache, start, n):  # [B, n, K, D] f32: each row's slot, keys start..start+n-1
         at = start % r if ring else start  # a block never wraps: aligned, and r a multiple of n
         width = cache.shape[3]  # D, or a q8_0 cache's D / 32 * 34 bytes
-        block = jax.vmap(lambda s: jax.lax.dynamic_slice(cache, (s, at, 0, 0), (1, n, kh, width))[0])(slots)
-        return q8_0_values(block) if block.dtype == jnp.uint8 else block.astype(jnp.float32)
+        return kv_values(jax.vmap(lambda s: jax.lax.dynamic_slice(cache, (s, at, 0, 0), (1, n, kh, width))[0])(slots))
 
     def attend_block(carry, first, start, n):
         """Keys first..first+n-1 (read from `start` <= first: a block may overlap the one before it
