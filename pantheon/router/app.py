@@ -230,6 +230,14 @@ def _client_routes(app: Quart, router: Dispatch) -> None:
     async def models():
         return {"object": "list", "data": registry.models()}
 
+    @app.route("/props", methods=["GET"])
+    async def props():  # an instance serving `?model=` (any one: they load the same files)
+        targets = router.pick(request.args.get("model"), None)
+        if isinstance(targets, Response):
+            return targets
+        path = request.full_path if request.query_string else request.path
+        return await router.relay(targets, "GET", path, None, None)
+
     @app.route("/v1/chat/completions", methods=["POST"])
     @app.route("/chat/completions", methods=["POST"])
     @app.route("/v1/completions", methods=["POST"])
@@ -243,6 +251,7 @@ def _client_routes(app: Quart, router: Dispatch) -> None:
     @app.route("/completion", methods=["POST"])
     @app.route("/tokenize", methods=["POST"])
     @app.route("/detokenize", methods=["POST"])
+    @app.route("/apply-template", methods=["POST"])
     async def chat():
         raw = await request.get_data()
         try:

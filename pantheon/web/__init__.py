@@ -29,7 +29,7 @@ log = logging.getLogger("pantheon.web")
 # names the loaded models, their sessions and load failures).
 OPERATOR_ROUTES = frozenset({"admin", "metrics"})
 # Paths open even with an API key set: health, for load balancers and probes.
-OPEN_PATHS = frozenset({"/", "/health"})
+OPEN_PATHS = frozenset({"/", "/health", "/v1/health"})
 
 
 class ServerState:
@@ -137,14 +137,14 @@ class ServerState:
 
 def create_app(config: ServeConfig | None = None, load_models: bool = True) -> Quart:
     from pantheon.web import (admin_routes, anthropic_routes, completions_routes, dashboard, embeddings_routes,
-                              metrics, native_routes, openai_routes, responses_routes, session_routes, test_hooks,
-                              tokenize_routes)
+                              metrics, native_routes, openai_routes, props_routes, responses_routes, session_routes,
+                              test_hooks, tokenize_routes)
     from pantheon.web.observe import AccessLog, configure_access_log
 
     app = Quart("pantheon")
     app.pantheon = state = ServerState(config or ServeConfig.from_env())
     for bp in (openai_routes.bp, completions_routes.bp, anthropic_routes.bp, responses_routes.bp,
-               embeddings_routes.bp, tokenize_routes.bp, native_routes.bp, admin_routes.bp, session_routes.bp,
+               embeddings_routes.bp, tokenize_routes.bp, native_routes.bp, props_routes.bp, admin_routes.bp, session_routes.bp,
                test_hooks.bp, metrics.bp, dashboard.bp):
         app.register_blueprint(bp)
     # One access-log line and the request metrics per request, at the ASGI level: the status sent
@@ -236,6 +236,7 @@ def _guard(app: Quart, state: ServerState) -> None:
 def _health(app: Quart, state: ServerState) -> None:
     @app.route("/", methods=["GET"])
     @app.route("/health", methods=["GET"])
+    @app.route("/v1/health", methods=["GET"])  # llama-server's second spelling
     async def health():
         import jax
 

@@ -109,6 +109,16 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
     return ChatRequest(messages=[], prompt=_token_ids(engine, prompt), **fields)
 
 
+def completion_defaults(engine) -> dict:
+    """What POST /completion does with a request that sets nothing (GET /props says it): `n_predict`
+    -1 runs to the end of generation or the window, `seed` -1 is a fresh one."""
+    chat = _request({}, engine, [])
+    return {"seed": -1, "temperature": chat.temperature, "top_k": chat.top_k, "top_p": chat.top_p,
+            "presence_penalty": chat.presence_penalty, "frequency_penalty": chat.frequency_penalty,
+            "n_predict": -1, "max_tokens": -1, "stream": chat.stream, "n_probs": 0, "ignore_eos": False,
+            "samplers": ["penalties", "top_k", "top_p", "temperature"]}
+
+
 def _probs(engine, tokens) -> list[dict]:
     tok = engine.tokenizer
 

@@ -111,3 +111,15 @@ def test_streams_are_relayed_and_errors_are_the_contracts(env):
     assert r.status_code == 400
     r = run(client.get("/nowhere"))
     assert r.status_code == 404 and run(r.get_json())["error"]["type"] == "not_found"
+
+
+def test_llama_server_introspection_is_forwarded(env):
+    app, client, ups, run = env
+    register(run, client, "a", free=2)
+    r = run(client.post("/apply-template", json={"model": "m", "messages": []}))
+    assert r.status_code == 200 and run(r.get_json())["path"] == "/apply-template"
+    r = run(client.get("/props?model=m"))
+    assert r.status_code == 200 and run(r.get_json())["path"] == "/props"
+    assert ups.seen[-1][:2] == ("a", "/props")
+    r = run(client.get("/props?model=other"))  # one model served: any name routes to it, as a serve's
+    assert r.status_code == 200 and ups.seen[-1][:2] == ("a", "/props")

@@ -1,0 +1,129 @@
+"""llama-server's introspection routes in process (tiny model, Quart's test client): GET /props,
+GET /slots, POST /apply-template, GET /v1/health; shaped as llama-server b11434 shapes them and
+refused in the contract's error shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.web.inprocess import tiny_app
+
+KEY = "sk-props-1"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    server = tiny_app(tmp_path_factory, "props", max_concurrent=3)
+    yield server
+    server.close()
+
+
+def get(app, path: str, headers: dict | None = None):
+    async def go():
+        r = await app.client.get(path, headers=headers or {})
+        return r.status_code, await r.get_json()
+
+    return app.run(go())
+
+
+def test_props_describe_the_model_and_its_defaults(app):
+    status, body = get(app, "/props")
+    engine = app.engine()
+    assert status == 200
+    assert body["model_path"] == str(engine.path) and body["model_path"].endswith(".gguf")
+    assert body["model_alias"] == "tiny" and body["model_ftype"] == "Q8_0"  # the fixture's file type
+    assert body["total_slots"] == engine.max_concurrent == 3
+    settings = body["default_generation_settings"]
+    assert settings["n_ctx"] == engine.effective_ctx
+    # /completion's own defaults (llama-server's temperature 0.8), read from a request that sets nothing
+    assert settings["params"]["temperature"] == 0.8 and settings["params"]["top_k"] == 40
+    assert settings["params"]["top_p"] == 0.95 and settings["params"]["n_predict"] == -1
+    assert settings["params"]["seed"] == -1
+    assert body["chat_template"] == engine.template.source and "im_start" in body["chat_template"]
+    assert body["bos_token"] == engine.tokenizer.token_text(engine.tokenizer.bos_id)
+    assert body["eos_token"] == engine.tokenizer.token_text(engine.tokenizer.eos_id)
+    assert body["modalities"] == {"vision": False, "video": False, "audio": False}
+    assert body["build_info"].startswith("pantheon ")
+
+
+def test_props_cannot_be_set(app):
+    status, body, _ = app.post("/props", {"n_ctx": 5})
+    assert status == 501 and body["error"]["type"] == "not_supported_error"
+
+
+def test_slots_count_the_busy_ones_and_name_no_request(app):
+    engine = app.engine()
+    status, body = get(app, "/slots")
+    assert status == 200 and [s["id"] for s in body] == [0, 1, 2]
+    assert all(s == {"id": s["id"], "n_ctx": engine.effective_ctx, "speculative": False, "is_processing": False}
+               for s in body)
+    assert get(app, "/slots?fail_on_no_slot=1")[0] == 200
+    scheduler = engine.scheduler
+    taken = 0
+    try:  # requests admitted: the scheduler's own count, as a running request holds it
+        for _ in range(engine.max_concurrent):
+            scheduler.reserve()
+            taken += 1
+            busy = [s["is_processing"] for s in get(app, "/slots")[1]]
+            assert busy == [i < taken for i in range(3)]
+        status, body = get(app, "/slots?fail_on_no_slot=1")
+        assert status == 503 and body["error"]["type"] == "unavailable_error"
+    finally:
+        for _ in range(taken):
+            scheduler._unreserve()
+    assert get(app, "/slots?fail_on_no_slot=1")[0] == 200
+
+
+def test_apply_template_renders_what_a_chat_would_run(app):
+    engine = app.engine()
+    status, body, _ = app.post("/apply-template", {"messages": HELLO})
+    assert status == 200 and body == {"prompt": engine.render_chat(HELLO)}
+    assert body["prompt"].endswith("<|im_start|>assistant\n") and "hello" in body["prompt"]
+    # the prompt the chat route tokenizes is this text
+    from pantheon.engine.chat import plan_chat
+    from pantheon.web.chat_request import parse_chat_request
+
+    plan = plan_chat(engine, parse_chat_request({"messages": HELLO}))
+    assert plan.request.prompt_ids == engine.encode_prompt(body["prompt"])
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"messages": 5}, "'messages' must be an array"),
+    ({}, "'messages' must be an array"),
+    ({"messages": []}, "messages"),
+    ({"messages": HELLO, "tools": "x"}, "'tools' must be an array"),
+    ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+     "invalid tools"),
+])
+def test_apply_template_refusals(app, body, says):
+    status, out, _ = app.post("/apply-template", body)
+    assert status == 400 and out["error"]["type"] == "invalid_request_error" and says in out["error"]["message"]
+
+
+def test_apply_template_without_a_template_and_the_file_type_from_the_file(tmp_path_factory):
+    from tests.fixtures.tiny_models import write_tiny_llama
+    from tests.web.inprocess import InProcessApp
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("props-base") / "base.gguf", chat_template=None,
+                            extra_metadata={"general.file_type": 15})
+    server = InProcessApp([(str(path), "base")])
+    try:
+        status, body, _ = server.post("/apply-template", {"messages": HELLO})
+        assert status == 400 and "no chat template" in body["error"]["message"]
+        props = get(server, "/props")[1]
+        assert props["chat_template"] == "" and props["model_ftype"] == "Q4_K_M"  # as the file says
+    finally:
+        server.close()
+
+
+def test_health_second_spelling_stays_open_and_props_need_the_key(tmp_path_factory):
+    server = tiny_app(tmp_path_factory, "props-key", api_key=KEY)
+    try:
+        status, body = get(server, "/v1/health")
+        assert status == 200 and body["status"] == "ok"
+        assert get(server, "/props")[0] == 401 and get(server, "/slots")[0] == 401
+        assert server.post("/apply-template", {"messages": HELLO})[0] == 401
+        assert get(server, "/props", {"Authorization": f"Bearer {KEY}"})[0] == 200
+    finally:
+        server.close()
