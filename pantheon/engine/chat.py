@@ -25,7 +25,7 @@ class PromptOverBudget(Exception):
     def __init__(self, tokens: int, kv_cap: int, at_least: bool = False):
         self.tokens, self.kv_cap, self.at_least = tokens, kv_cap, at_least
         n = f"at least {tokens}" if at_least else str(tokens)
-        super().__init__(f"prompt of {n} tokens exceeds the context window: kv_used={tokens} kv_cap={kv_cap}; "
+        super().__init__(f"prompt of {n} tokens exceeds the available context size: kv_used={tokens} kv_cap={kv_cap}; "
                          "shorten the conversation")
 
 
@@ -111,9 +111,23 @@ def raw_prompt_ids(engine, chat) -> list[int]:
     return bos + [pre] + prefix + [suf] + tok.encode(chat.suffix, parse_special=False, add_bos=False) + [mid]
 
 
-def render_prompt(engine, chat) -> tuple[str, dict, object, list | None, bool]:
-    """The chat's prompt text in the model's template, with tools in its dialect: (text, the
-    template's kwargs, dialect, tool specs, whether tools are on)."""
+def mixed_prompt_ids(tok, prompt) -> list[int]:
+    """A llama-server prompt (text, ids, or both mixed) as ids: text tokenized with special tokens
+    parsed and BOS as the model says (only before leading text), as llama-server tokenizes; ids as
+    they are."""
+    if isinstance(prompt, str):
+        return tok.encode(prompt, parse_special=True, add_bos=None)
+    ids = []
+    for k, piece in enumerate(prompt):
+        ids += tok.encode(piece, parse_special=True, add_bos=None if k == 0 else False) if isinstance(piece, str) \
+            else [piece]
+    return ids
+
+
+def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str, dict, object, list | None, bool]:
+    """The chat's prompt text in the model's template, with tools in its dialect (and the assistant's
+    opening, unless told not to): (text, the template's kwargs, dialect, tool specs, whether tools
+    are on)."""
     from pantheon.text.chat_template import ChatTemplateError
     from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, schema_problem
 
@@ -134,7 +148,7 @@ def render_prompt(engine, chat) -> tuple[str, dict, object, list | None, bool]:
     if engine.think:
         kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
     try:
-        text = engine.render_chat(messages, **kwargs)
+        text = engine.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
         raise PlanError(f"chat template rejected the messages: {e}") from None
     return text, kwargs, dialect, specs, tools_on

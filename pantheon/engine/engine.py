@@ -216,11 +216,11 @@ class Engine:
         return out
 
     # ---- text helpers -----------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], **kwargs) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self.template is None:
             raise ChatTemplateError(f"model {self.name!r} has no chat template (a base model): send raw text to "
                                     "/v1/completions instead")
-        return self.template.render(messages, add_generation_prompt=True, **kwargs)
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, parse_special=True, add_bos=False)

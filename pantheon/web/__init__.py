@@ -28,8 +28,9 @@ log = logging.getLogger("pantheon.web")
 # First path segments behind PANTHEON_ADMIN_TOKEN when it is set: /admin/* and /metrics (which
 # names the loaded models, their sessions and load failures).
 OPERATOR_ROUTES = frozenset({"admin", "metrics"})
-# Paths open even with an API key set: health, for load balancers and probes.
-OPEN_PATHS = frozenset({"/", "/health", "/v1/health"})
+# Paths open even with an API key set: health, for load balancers and probes, and the model list
+# (llama-server's public endpoints).
+OPEN_PATHS = frozenset({"/", "/health", "/v1/models", "/models"})
 
 
 class ServerState:
@@ -223,7 +224,7 @@ def _guard(app: Quart, state: ServerState) -> None:
             given = request.headers.get("x-api-key")
             if not (key_matches(given, state.config.api_key) if given is not None else
                     admin_authorized(request.headers.get("Authorization"), state.config.api_key)):
-                return error_response(401, "unauthorized", "this server needs an API key: Authorization: Bearer "
+                return error_response(401, "authentication_error", "this server needs an API key: Authorization: Bearer "
                                                            "<key> or x-api-key: <key>", {"WWW-Authenticate": "Bearer"})
 
     @app.after_request
@@ -236,7 +237,6 @@ def _guard(app: Quart, state: ServerState) -> None:
 def _health(app: Quart, state: ServerState) -> None:
     @app.route("/", methods=["GET"])
     @app.route("/health", methods=["GET"])
-    @app.route("/v1/health", methods=["GET"])  # llama-server's second spelling
     async def health():
         import jax
 

@@ -193,6 +193,37 @@ def prompt_list(field: str, value, most: int) -> list[str | list[int]]:
     return items
 
 
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def llama_prompts(field: str, value, most: int) -> list[str | list]:
+    """llama-server's prompt forms (its /completion, its embeddings' input): text, token ids, or text
+    and ids mixed in one array (a top-level array holding any number is one prompt); otherwise each
+    element of an array is a prompt (text, ids, mixed, or {"prompt_string": text}); at most `most`."""
+    if isinstance(value, dict):
+        value = value.get("prompt_string")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if any(_is_id(v) for v in value):
+            if not all(_is_id(v) or isinstance(v, str) for v in value):
+                raise invalid(f"'{field}' mixes token ids with something that is neither text nor an id")
+            return [value]
+        out = []
+        for p in value:
+            if isinstance(p, dict):
+                p = p.get("prompt_string")
+            if not (isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(v) or isinstance(v, str)
+                                                                              for v in p))):
+                raise invalid(f"each of '{field}' must be text, token ids, or {{\"prompt_string\": text}}")
+            out.append(p)
+        if len(out) > most:
+            raise invalid(f"'{field}' holds {len(out)} prompts; at most {most} per request")
+        return out
+    raise invalid(f"'{field}' is required: text, token ids, or an array of prompts")
+
+
 def _messages(raw) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' is required and must be a non-empty array")
@@ -265,6 +296,9 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None and body.get("n_predict") is not None:  # llama-server's name; -1: to the window
+        max_tokens = _number(body, "n_predict", 0, int)
+        max_tokens = MAX_TOKENS_CAP if max_tokens < 0 else max_tokens
     max_tokens = MAX_TOKENS_DEFAULT if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", 0, int)
     max_tokens = MAX_TOKENS_NONPOSITIVE if max_tokens <= 0 else min(max_tokens, MAX_TOKENS_CAP)
     n = _number(body, "n", 1, int)

@@ -8,14 +8,14 @@ import time
 import uuid
 from dataclasses import replace
 
-from quart import Blueprint, current_app
+from quart import Blueprint
 
 from pantheon.engine.chat import plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import MAX_N, ChatRequest, _number, prompt_list, sampling_fields
 from pantheon.web.errors import error_body, invalid, json_body
-from pantheon.web.generation import collect, plan_and_submit
+from pantheon.web.generation import collect, plan_and_submit, system_fingerprint
 
 bp = Blueprint("completions", __name__)
 
@@ -29,7 +29,8 @@ def parse_completion_request(body) -> tuple[list[ChatRequest], dict]:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     prompts = prompt_list("prompt", body.get("prompt"), MAX_PROMPTS)
-    fields = sampling_fields({**body, "max_tokens": body.get("max_tokens", MAX_TOKENS_DEFAULT),
+    default = MAX_TOKENS_DEFAULT if body.get("n_predict") is None else None  # n_predict: sampling_fields reads it
+    fields = sampling_fields({**body, "max_tokens": body.get("max_tokens", default),
                               "logprobs": None, "top_logprobs": None})
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
@@ -98,7 +99,7 @@ async def completions():
         raise
     engine = submitted[0][0]
     meta = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": engine.name, "system_fingerprint": f"b{current_app.pantheon.build}"}
+            "model": engine.name, "system_fingerprint": system_fingerprint()}
     if reqs[0].stream:
         return sse.streaming_response(_stream(submitted, opts, meta, reqs[0].include_usage))
     try:

@@ -11,7 +11,8 @@ import numpy as np
 from quart import Blueprint, current_app
 
 from pantheon.engine.embedding import normalize, pool
-from pantheon.web.chat_request import prompt_list
+from pantheon.engine.chat import mixed_prompt_ids
+from pantheon.web.chat_request import llama_prompts
 from pantheon.web.errors import ApiError, invalid, json_body
 
 bp = Blueprint("embeddings", __name__)
@@ -25,7 +26,9 @@ async def embeddings():
     body = await json_body()
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
-    items = prompt_list("input", body.get("input"), MAX_INPUTS)
+    # OpenAI's forms (text, ids, an array of either) and llama-server's (text and ids mixed,
+    # {"prompt_string"}); "content" is llama-server's name for the field
+    items = llama_prompts("input", body.get("input", body.get("content")), MAX_INPUTS)
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise invalid("'encoding_format' must be \"float\" or \"base64\"")
@@ -43,7 +46,7 @@ async def embeddings():
     vocab = tok.vocab_size
     token_lists = []
     for i, item in enumerate(items):
-        ids = (await asyncio.to_thread(tok.encode, item, True, None)) if isinstance(item, str) else list(item)
+        ids = await asyncio.to_thread(mixed_prompt_ids, tok, item)
         if any(not 0 <= t < vocab for t in ids):
             raise invalid(f"'input[{i}]' holds a token id outside the vocabulary [0, {vocab})")
         if not ids:

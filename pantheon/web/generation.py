@@ -29,6 +29,25 @@ def raise_for(err: RequestError):
                    **{k: err.fields[k] for k in ("kv_used", "kv_cap") if k in err.fields})
 
 
+
+def system_fingerprint() -> str:
+    """The build a response came from, as llama-server says it ("b" and the build id)."""
+    return f"b{current_app.pantheon.build}"
+
+
+def timings(end: RequestEnd) -> dict:
+    """llama-server's `timings` of a finished request: the prompt tokens computed (not cached) and
+    the tokens generated, each with its milliseconds and rates."""
+    timing = end.timing or {}
+    prompt_n = end.prompt_tokens - end.cached_tokens
+    prompt_ms, predicted_ms = timing.get("prefill_ms", 0.0), timing.get("decode_step_ms", 0.0)
+    return {"cache_n": end.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / max(prompt_n, 1),
+            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": end.completion_tokens, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / max(end.completion_tokens, 1),
+            "predicted_per_second": 1e3 * end.completion_tokens / predicted_ms if predicted_ms else 0.0}
+
 async def plan_and_submit(chat, plan_fn):
     """Resolve `chat.model`, plan the request off the event loop with `plan_fn(engine, chat, window)`,
     submit it and wait for its slot. Returns (engine, plan, events); `events` yields what follows

@@ -12,58 +12,16 @@ import math
 
 from quart import Blueprint, Response, current_app
 
-from pantheon.engine.chat import plan_chat
+from pantheon.engine.chat import mixed_prompt_ids, plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
-from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, sampling_fields
+from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, llama_prompts, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body, status_of
-from pantheon.web.generation import collect_one, plan_and_submit
+from pantheon.web.generation import collect_one, plan_and_submit, timings
 
 bp = Blueprint("native", __name__)
 
 MAX_PROMPTS = 16
-
-
-def _is_id(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _prompts(value) -> list:
-    """llama-server's rule: a top-level array holding any number is one prompt (text and ids
-    mixed); otherwise each element is a prompt (text, ids, or {"prompt_string": text})."""
-    if isinstance(value, dict):
-        value = value.get("prompt_string")
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if any(_is_id(v) for v in value):
-            if not all(_is_id(v) or isinstance(v, str) for v in value):
-                raise invalid("'prompt' mixes token ids with something that is neither text nor an id")
-            return [value]
-        out = []
-        for p in value:
-            if isinstance(p, dict):
-                p = p.get("prompt_string")
-            if not (isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(v) or isinstance(v, str)
-                                                                              for v in p))):
-                raise invalid("each prompt must be text, token ids, or {\"prompt_string\": text}")
-            out.append(p)
-        if len(out) > MAX_PROMPTS:
-            raise invalid(f"at most {MAX_PROMPTS} prompts per request")
-        return out
-    raise invalid("'prompt' is required: text, token ids, or an array of prompts")
-
-
-def _token_ids(engine, prompt) -> list[int]:
-    """Text tokenized with BOS as the model says (only before leading text) and special tokens
-    parsed, as llama-server tokenizes a prompt; ids as they are."""
-    tok = engine.tokenizer
-    if isinstance(prompt, str):
-        return tok.encode(prompt, parse_special=True, add_bos=None)
-    ids = []
-    for k, piece in enumerate(prompt):
-        ids += [piece] if _is_id(piece) else tok.encode(piece, parse_special=True, add_bos=None if k == 0 else False)
-    return ids
 
 
 def _logit_bias(value, engine) -> dict:
@@ -106,7 +64,7 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
         "stream": body.get("stream", False), "seed": None if seed in (None, -1) else seed,
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
         "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20)})
-    return ChatRequest(messages=[], prompt=_token_ids(engine, prompt), **fields)
+    return ChatRequest(messages=[], prompt=mixed_prompt_ids(engine.tokenizer, prompt), **fields)
 
 
 def completion_defaults(engine) -> dict:
@@ -134,9 +92,6 @@ def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, en
            req_end: RequestEnd, index: int) -> dict:
     finish = end.finish_reason if end else "stop"
     stop_type = "limit" if finish == "length" else "word" if end and end.stop_string else "eos"
-    timing = req_end.timing or {}
-    prompt_n = req_end.prompt_tokens - req_end.cached_tokens
-    prompt_ms, predicted_ms = timing.get("prefill_ms", 0.0), timing.get("decode_step_ms", 0.0)
     n_probs = int(body.get("n_probs", 0) or 0)
     out = {"index": index, "content": content, "tokens": [t.token for t in tokens] if body.get("return_tokens") else [],
            "id_slot": 0, "stop": True, "model": engine.name, "tokens_predicted": req_end.completion_tokens,
@@ -148,12 +103,7 @@ def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, en
            "prompt": engine.tokenizer.decode(chat.prompt), "has_new_line": "\n" in content, "truncated": False,
            "stop_type": stop_type, "stopping_word": (end.stop_string or "") if end else "",
            "tokens_cached": req_end.prompt_tokens + req_end.completion_tokens,
-           "timings": {"cache_n": req_end.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                       "prompt_per_token_ms": prompt_ms / max(prompt_n, 1),
-                       "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
-                       "predicted_n": req_end.completion_tokens, "predicted_ms": predicted_ms,
-                       "predicted_per_token_ms": predicted_ms / max(req_end.completion_tokens, 1),
-                       "predicted_per_second": 1e3 * req_end.completion_tokens / predicted_ms if predicted_ms else 0.0}}
+           "timings": timings(req_end)}
     if n_probs and not chat.stream:
         out["completion_probabilities"] = _probs(engine, tokens)
     fields = body.get("response_fields")
@@ -190,7 +140,7 @@ async def completion():
         raise invalid("request body must be a JSON object")
     model = body.get("model")
     engine = current_app.pantheon.resolve(model if isinstance(model, str) else None)
-    prompts = _prompts(body.get("prompt"))
+    prompts = llama_prompts("prompt", body.get("prompt"), MAX_PROMPTS)
     chats = [_request(body, engine, p) for p in prompts]
     if chats[0].stream:
         if len(chats) > 1:

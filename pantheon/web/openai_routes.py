@@ -12,7 +12,7 @@ from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
 from pantheon.web.errors import error_body, json_body
-from pantheon.web.generation import collect, plan_and_submit, response_format_status
+from pantheon.web.generation import collect, plan_and_submit, response_format_status, system_fingerprint, timings
 from pantheon.web.rows import public_row
 
 bp = Blueprint("openai", __name__)
@@ -39,7 +39,8 @@ async def list_models():
 async def chat_completions():
     chat = parse_chat_request(await json_body(), request.headers.get("X-Session-Id"))
     engine, plan, events = await plan_and_submit(chat, plan_chat)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": engine.name}
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": engine.name,
+            "system_fingerprint": system_fingerprint()}
     if chat.stream:
         return sse.streaming_response(_stream(chat, plan, meta, events, engine))
     try:
@@ -85,7 +86,8 @@ async def _complete(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engin
         if chat.logprobs:
             choice["logprobs"] = {"content": _logprobs(engine, c.tokens)}
         out.append(choice)
-    body = {**meta, "object": "chat.completion", "choices": out, "usage": usage(end, engine.effective_ctx)}
+    body = {**meta, "object": "chat.completion", "choices": out, "usage": usage(end, engine.effective_ctx),
+            "timings": timings(end)}  # llama-server's, additive
     status = response_format_status(plan, [c.end for c in choices if c.end])
     if status:
         body["response_format_status"] = status
@@ -157,7 +159,8 @@ class ChunkStream:
 
     def finish(self, ev: RequestEnd) -> list[bytes]:
         usage_chunk = ([sse.event({**self.meta, "object": "chat.completion.chunk", "choices": [],
-                                   "usage": usage(ev, self.engine.effective_ctx)})] if self.chat.include_usage else [])
+                                   "usage": usage(ev, self.engine.effective_ctx), "timings": timings(ev)})]
+                       if self.chat.include_usage else [])
         return [self.release(), *usage_chunk, sse.DONE]
 
     def fail(self, ev: RequestError) -> bytes:

@@ -41,12 +41,12 @@ def get(app, path: str, headers: dict | None = None):
 # ---- the API key -------------------------------------------------------------------------------------
 def test_api_key_guards_the_inference_routes(keyed):
     status, body, headers = keyed.post("/v1/chat/completions", CHAT)
-    assert status == 401 and body["error"]["type"] == "unauthorized" and {k.lower(): v for k, v in headers.items()}["www-authenticate"] == "Bearer"
+    assert status == 401 and body["error"]["type"] == "authentication_error" and {k.lower(): v for k, v in headers.items()}["www-authenticate"] == "Bearer"
     assert keyed.post("/v1/chat/completions", CHAT, {"Authorization": f"Bearer {KEY}"})[0] == 200
     assert keyed.post("/v1/chat/completions", CHAT, {"x-api-key": KEY})[0] == 200
     assert keyed.post("/v1/chat/completions", CHAT, {"Authorization": "Bearer wrong"})[0] == 401
     assert keyed.post("/tokenize", {"content": "hi"})[0] == 401
-    assert get(keyed, "/v1/models")[0] == 401
+    assert get(keyed, "/v1/models")[0] == 200 and get(keyed, "/models")[0] == 200  # public, as llama-server's
     # Anthropic's clients send x-api-key and read Anthropic's error shape
     status, body, _ = keyed.post("/v1/messages", MESSAGES)
     assert status == 401 and body == {"type": "error", "error": {"type": "authentication_error", "message": body[
@@ -157,6 +157,18 @@ def test_embeddings_route(app):
     assert abs(np.linalg.norm(v) - 1) < 1e-5 and reply["usage"]["prompt_tokens"] >= 4
     status, reply, _ = app.post("/v1/embeddings", {"model": "tiny", "input": "x", "encoding_format": "hex"})
     assert status == 400 and "encoding_format" in reply["error"]["message"]
+    # llama-server's forms: text and ids mixed in one prompt, {"prompt_string"}, "content" for "input"
+    tok = app.engine().tokenizer
+    mixed = [5, 9, "hello", 7]
+    ids = [5, 9] + tok.encode("hello", parse_special=True, add_bos=False) + [7]
+    status, reply, _ = app.post("/v1/embeddings", {"model": "tiny", "input": mixed})
+    assert status == 200 and len(reply["data"]) == 1 and reply["usage"]["prompt_tokens"] == len(ids)
+    same = app.post("/v1/embeddings", {"model": "tiny", "input": [ids]})[1]["data"][0]["embedding"]
+    assert reply["data"][0]["embedding"] == same
+    status, reply, _ = app.post("/embeddings", {"model": "tiny", "content": [{"prompt_string": "hello"}, [1, "x"]]})
+    assert status == 200 and [d["index"] for d in reply["data"]] == [0, 1]
+    for bad in ([5, None], [{"prompt_string": 3}], [[]], {}):
+        assert app.post("/v1/embeddings", {"model": "tiny", "input": bad})[0] == 400
 
 
 # ---- admin load inherits the serve's per-model options ------------------------------------------------
@@ -207,8 +219,35 @@ def test_native_completion_stream_and_refusals(app):
     assert all(len(e["tokens"]) >= 1 for e in events[:-1]) and events[-1]["stop_type"] == "limit"
     status, body, _ = app.post("/completion", {"prompt": "x " * 400, "n_predict": 2})  # tiny_app: 128 a slot
     assert status == 400 and body["error"]["type"] == "exceed_context_size_error" and body["error"]["n_ctx"] > 0
+    assert "exceeds the available context size" in body["error"]["message"]  # llama-server's words
     assert app.post("/completion", {"prompt": [1, None]})[0] == 400
     assert app.post("/completion", {"n_predict": 2})[0] == 400
+
+
+# ---- llama-server's additions to the OpenAI routes ------------------------------------------------------
+def test_chat_carries_llama_servers_fingerprint_and_timings(app):
+    status, body, _ = app.post("/v1/chat/completions", {**CHAT, "max_tokens": 3})
+    assert status == 200 and body["system_fingerprint"] == f"b{app.state.build}"
+    t = body["timings"]
+    assert t["predicted_n"] == body["usage"]["completion_tokens"] == 3
+    assert t["prompt_n"] + t["cache_n"] == body["usage"]["prompt_tokens"] and t["predicted_ms"] >= 0
+    status, events = app.stream("/v1/chat/completions", {**CHAT, "max_tokens": 3, "stream_options": {"include_usage": True}})
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert status == 200 and all(c["system_fingerprint"] == body["system_fingerprint"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}  # the contract's first chunk, unchanged
+    last = chunks[-1]
+    assert last["choices"] == [] and last["timings"]["predicted_n"] == last["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("route, body, usage", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}, "completion_tokens"),
+    ("/v1/completions", {"prompt": "hello"}, "completion_tokens"),
+])
+def test_n_predict_is_max_tokens_where_that_is_absent(app, route, body, usage):
+    ban = {"logit_bias": {str(t): -100 for t in app.engine().tokenizer.eog_ids}, "temperature": 0, "model": "tiny"}
+    assert app.post(route, {**body, **ban, "n_predict": 5})[1]["usage"][usage] == 5
+    assert app.post(route, {**body, **ban, "n_predict": 5, "max_tokens": 2})[1]["usage"][usage] == 2  # max_tokens wins
+    assert app.post(route, {**body, **ban, "n_predict": "x"})[0] == 400
 
 
 # ---- a routed-experts model (qwen3moe) end to end ---------------------------------------------------------

@@ -1,5 +1,5 @@
 """llama-server's introspection routes in process (tiny model, Quart's test client): GET /props,
-GET /slots, POST /apply-template, GET /v1/health; shaped as llama-server b11434 shapes them and
+GET /slots, POST /apply-template; shaped as llama-server b11434 shapes them and
 refused in the contract's error shape."""
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ def test_apply_template_renders_what_a_chat_would_run(app):
 
     plan = plan_chat(engine, parse_chat_request({"messages": HELLO}))
     assert plan.request.prompt_ids == engine.encode_prompt(body["prompt"])
+    # without the assistant's opening: the same conversation, ending at the user's turn
+    status, closed, _ = app.post("/apply-template", {"messages": HELLO, "add_generation_prompt": False})
+    assert status == 200 and closed["prompt"] == engine.render_chat(HELLO, add_generation_prompt=False)
+    assert body["prompt"] == closed["prompt"] + "<|im_start|>assistant\n"
 
 
 @pytest.mark.parametrize("body, says", [
@@ -93,6 +97,7 @@ def test_apply_template_renders_what_a_chat_would_run(app):
     ({}, "'messages' must be an array"),
     ({"messages": []}, "messages"),
     ({"messages": HELLO, "tools": "x"}, "'tools' must be an array"),
+    ({"messages": HELLO, "add_generation_prompt": "no"}, "'add_generation_prompt' must be a boolean"),
     ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
      "invalid tools"),
 ])
@@ -117,11 +122,10 @@ def test_apply_template_without_a_template_and_the_file_type_from_the_file(tmp_p
         server.close()
 
 
-def test_health_second_spelling_stays_open_and_props_need_the_key(tmp_path_factory):
+def test_props_need_the_key_the_model_list_does_not(tmp_path_factory):
     server = tiny_app(tmp_path_factory, "props-key", api_key=KEY)
     try:
-        status, body = get(server, "/v1/health")
-        assert status == 200 and body["status"] == "ok"
+        assert get(server, "/v1/models")[0] == 200 and get(server, "/health")[0] == 200
         assert get(server, "/props")[0] == 401 and get(server, "/slots")[0] == 401
         assert server.post("/apply-template", {"messages": HELLO})[0] == 401
         assert get(server, "/props", {"Authorization": f"Bearer {KEY}"})[0] == 200
