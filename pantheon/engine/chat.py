@@ -124,15 +124,29 @@ def mixed_prompt_ids(tok, prompt) -> list[int]:
     return ids
 
 
+def prefill_of(messages: list[dict]) -> str:
+    """The text an assistant turn ending the conversation has begun, which the answer continues
+    (Anthropic's prefill, llama-server's too), or "": a final assistant message with text and
+    no tool calls."""
+    last = messages[-1] if messages else {}
+    content = last.get("content")
+    if last.get("role") == "assistant" and isinstance(content, str) and content and not last.get("tool_calls"):
+        return content
+    return ""
+
+
 def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str, dict, object, list | None, bool]:
     """The chat's prompt text in the model's template, with tools in its dialect (and the assistant's
-    opening, unless told not to): (text, the template's kwargs, dialect, tool specs, whether tools
-    are on)."""
+    opening, unless told not to; a prefill continues it): (text, the template's kwargs, dialect,
+    tool specs, whether tools are on)."""
     from pantheon.text.chat_template import ChatTemplateError
     from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, schema_problem
 
     tools_on = bool(chat.tools) and chat.tool_choice != "none"
     messages, dialect, specs = chat.messages, None, None
+    prefill = prefill_of(messages) if add_generation_prompt else ""
+    if prefill:  # the conversation up to the assistant's opening, then the text it has begun
+        messages = messages[:-1]
     try:
         if tools_on:
             dialect, specs = engine.tool_dialect, normalize_tools(chat.tools)
@@ -148,7 +162,7 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
     if engine.think:
         kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
     try:
-        text = engine.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = engine.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs) + prefill
     except ChatTemplateError as e:
         raise PlanError(f"chat template rejected the messages: {e}") from None
     return text, kwargs, dialect, specs, tools_on

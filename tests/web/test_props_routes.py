@@ -92,6 +92,32 @@ def test_apply_template_renders_what_a_chat_would_run(app):
     assert body["prompt"] == closed["prompt"] + "<|im_start|>assistant\n"
 
 
+PREFILL = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Well, the"}]
+
+
+def test_a_final_assistant_message_is_continued(app):
+    """Anthropic's prefill (llama-server's too): the conversation up to the assistant's opening, then
+    the text the assistant has begun; the answer continues it and holds only the continuation."""
+    engine = app.engine()
+    status, body, _ = app.post("/apply-template", {"messages": PREFILL})
+    assert status == 200 and body["prompt"] == engine.render_chat(PREFILL[:1]) + "Well, the"
+    n_prompt = len(engine.encode_prompt(body["prompt"]))
+    status, reply, _ = app.post("/v1/messages", {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                                                 "messages": PREFILL})
+    assert status == 200 and reply["usage"]["input_tokens"] + reply["usage"]["cache_read_input_tokens"] == n_prompt
+    status, reply, _ = app.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                                                         "messages": PREFILL})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == n_prompt
+    # not a prefill: an empty final assistant turn, a tool call, or asked for the conversation as it is
+    for last in ({"role": "assistant", "content": ""},
+                 {"role": "assistant", "content": "x", "tool_calls": [
+                     {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}):
+        text = app.post("/apply-template", {"messages": PREFILL[:1] + [last]})[1]["prompt"]
+        assert text.endswith("<|im_start|>assistant\n") and text.count("<|im_start|>assistant") == 2
+    closed = app.post("/apply-template", {"messages": PREFILL, "add_generation_prompt": False})[1]["prompt"]
+    assert closed == engine.render_chat(PREFILL, add_generation_prompt=False)
+
+
 @pytest.mark.parametrize("body, says", [
     ({"messages": 5}, "'messages' must be an array"),
     ({}, "'messages' must be an array"),
