@@ -102,13 +102,50 @@ def raw_prompt_ids(engine, chat) -> list[int]:
         if isinstance(chat.prompt, str):
             return tok.encode(chat.prompt, parse_special=True, add_bos=None if chat.add_special else False)
         return list(chat.prompt)
-    pre, suf, mid = (tok.special_id(k) for k in ("fim_pre", "fim_suf", "fim_mid"))
-    if None in (pre, suf, mid):
+    if missing_fim_tokens(tok):
         raise PlanError("'suffix' needs fill-in-the-middle tokens, and this model's vocabulary has none")
     prefix = tok.encode(chat.prompt, parse_special=False, add_bos=False) if isinstance(chat.prompt, str) \
         else list(chat.prompt)
+    return fim_prompt_ids(tok, prefix, tok.encode(chat.suffix, parse_special=False, add_bos=False))
+
+
+def missing_fim_tokens(tok) -> list[str]:
+    """The fill-in-the-middle tokens a prompt needs that the vocabulary lacks (prefix, suffix, middle)."""
+    return [name for key, name in (("fim_pre", "prefix"), ("fim_suf", "suffix"), ("fim_mid", "middle"))
+            if tok.special_id(key) is None]
+
+
+def fim_prompt_ids(tok, prefix: list[int], suffix: list[int], middle: list[int] = (), extra: list[int] = ()) -> list[int]:
+    """A fill-in-the-middle prompt as llama.cpp lays it out: extra context, [BOS] PRE prefix middle
+    SUF suffix MID; the answer is what goes between prefix + middle and suffix."""
     bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
-    return bos + [pre] + prefix + [suf] + tok.encode(chat.suffix, parse_special=False, add_bos=False) + [mid]
+    pre, suf, mid = (tok.special_id(k) for k in ("fim_pre", "fim_suf", "fim_mid"))
+    return [*extra, *bos, pre, *prefix, *middle, suf, *suffix, mid]
+
+
+def infill_ids(tok, prefix: str, suffix: str, chunks: list[tuple[str, str]], middle: list[int], batch: int,
+               room: int) -> list[int]:
+    """llama-server's /infill prompt (its repository-level pattern, arXiv 2409.12186): the extra
+    files as [FIM_REP]myproject\\n then [FIM_SEP]filename\\n text each (without those tokens, each
+    text after a "--- snippet ---" line), [FIM_SEP]filename\\n, then the FIM prompt of the prefix,
+    `middle` (the start of the answer) and the suffix. As llama-server fits it: the prefix's last
+    3/4 of a batch of tokens, the suffix's first quarter less the middle's, and of the extra
+    context the last `room` tokens."""
+    def text(s: str) -> list[int]:
+        return tok.encode(s, parse_special=False, add_bos=False)
+
+    rep, sep = tok.special_id("fim_rep"), tok.special_id("fim_sep")
+    extra = [rep, *text("myproject\n")] if rep is not None else []
+    for filename, body in chunks:
+        extra += [sep, *text(filename + "\n")] if sep is not None else text("\n\n--- snippet ---\n\n")
+        extra += text(body)
+    if sep is not None:
+        extra += [sep, *text("filename\n")]
+    prefix_ids, suffix_ids = text(prefix), text(suffix)
+    prefix_ids = prefix_ids[len(prefix_ids) - min(len(prefix_ids), 3 * (batch // 4)):]
+    suffix_ids = suffix_ids[:max(0, batch // 4 - (2 + len(middle)))]
+    extra = extra[len(extra) - min(len(extra), max(0, room)):]
+    return fim_prompt_ids(tok, prefix_ids, suffix_ids, middle, extra)
 
 
 def mixed_prompt_ids(tok, prompt) -> list[int]:

@@ -252,6 +252,7 @@ def _client_routes(app: Quart, router: Dispatch) -> None:
     @app.route("/tokenize", methods=["POST"])
     @app.route("/detokenize", methods=["POST"])
     @app.route("/apply-template", methods=["POST"])
+    @app.route("/infill", methods=["POST"])
     async def chat():
         raw = await request.get_data()
         try:

@@ -193,7 +193,8 @@ def prompt_list(field: str, value, most: int) -> list[str | list[int]]:
     return items
 
 
-def _is_id(v) -> bool:
+def is_token_id(v) -> bool:
+    """An integer that is not a bool (JSON's true is no token id)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -206,15 +207,15 @@ def llama_prompts(field: str, value, most: int) -> list[str | list]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
-        if any(_is_id(v) for v in value):
-            if not all(_is_id(v) or isinstance(v, str) for v in value):
+        if any(is_token_id(v) for v in value):
+            if not all(is_token_id(v) or isinstance(v, str) for v in value):
                 raise invalid(f"'{field}' mixes token ids with something that is neither text nor an id")
             return [value]
         out = []
         for p in value:
             if isinstance(p, dict):
                 p = p.get("prompt_string")
-            if not (isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(v) or isinstance(v, str)
+            if not (isinstance(p, str) or (isinstance(p, list) and p and all(is_token_id(v) or isinstance(v, str)
                                                                               for v in p))):
                 raise invalid(f"each of '{field}' must be text, token ids, or {{\"prompt_string\": text}}")
             out.append(p)

@@ -7,21 +7,24 @@ final one with `stop: true`, no `[DONE]` (as llama-server)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
 from quart import Blueprint, Response, current_app
 
-from pantheon.engine.chat import mixed_prompt_ids, plan_chat
+from pantheon.engine.chat import infill_ids, missing_fim_tokens, mixed_prompt_ids, plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web import sse
-from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, llama_prompts, sampling_fields
+from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, is_token_id, llama_prompts, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body, status_of
 from pantheon.web.generation import collect_one, plan_and_submit, timings
 
 bp = Blueprint("native", __name__)
 
 MAX_PROMPTS = 16
+MAX_EXTRA_CHUNKS = 256  # /infill's input_extra files
+LLAMA_BATCH = 2048  # llama-server's default batch, which its infill prompt is fitted to
 
 
 def _logit_bias(value, engine) -> dict:
@@ -141,7 +144,53 @@ async def completion():
     model = body.get("model")
     engine = current_app.pantheon.resolve(model if isinstance(model, str) else None)
     prompts = llama_prompts("prompt", body.get("prompt"), MAX_PROMPTS)
-    chats = [_request(body, engine, p) for p in prompts]
+    return await _answer(engine, body, [_request(body, engine, p) for p in prompts])
+
+
+@bp.route("/infill", methods=["POST"])
+async def infill():
+    """llama-server's code infill: {"input_prefix", "input_suffix", "input_extra": [{"filename",
+    "text"}], "prompt" (the start of the middle)} and /completion's options -> the middle, shaped
+    as /completion answers. The prompt is llama-server's repository-level FIM layout
+    (engine/chat.infill_ids); a model whose vocabulary has no FIM tokens gets 501."""
+    body = await json_body()
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    model = body.get("model")
+    engine = current_app.pantheon.resolve(model if isinstance(model, str) else None)
+    tok = engine.tokenizer
+    if missing := missing_fim_tokens(tok):
+        raise ApiError(501, "not_supported_error", "infill is not supported by this model: its vocabulary has no "
+                                                   f"fill-in-the-middle {', '.join(missing)} token")
+    prefix, suffix = body.get("input_prefix", ""), body.get("input_suffix", "")
+    if not isinstance(prefix, str) or not isinstance(suffix, str):
+        raise invalid("'input_prefix' and 'input_suffix' must be strings")
+    extra = body.get("input_extra", [])
+    if not isinstance(extra, list) or len(extra) > MAX_EXTRA_CHUNKS:
+        raise invalid(f"'input_extra' must be an array of at most {MAX_EXTRA_CHUNKS} {{\"filename\", \"text\"}} objects")
+    chunks = []
+    for i, chunk in enumerate(extra):
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str) \
+                or not isinstance(chunk.get("filename", "tmp"), str):
+            raise invalid(f"'input_extra[{i}]' must be {{\"filename\": string, \"text\": string}} (text required)")
+        chunks.append((chunk.get("filename", "tmp"), chunk["text"]))
+    middle = body.get("prompt", "")
+    if not (isinstance(middle, str) or (isinstance(middle, list) and all(is_token_id(t) or isinstance(t, str)
+                                                                           for t in middle))):
+        raise invalid("'prompt' must be text, or text and token ids")
+    middle_ids = [t for piece in ([middle] if isinstance(middle, str) else middle)
+                  for t in (tok.encode(piece, parse_special=True, add_bos=False) if isinstance(piece, str) else [piece])]
+    n_predict = body.get("n_predict", -1)
+    window = engine.effective_ctx
+    batch = min(LLAMA_BATCH, window)  # llama-server fits prefix, middle and suffix in one batch
+    room = window - batch - 2 * (n_predict if is_token_id(n_predict) else -1)
+    ids = await asyncio.to_thread(infill_ids, tok, prefix, suffix, chunks, middle_ids, batch, room)
+    return await _answer(engine, body, [_request(body, engine, ids)])
+
+
+async def _answer(engine, body: dict, chats: list[ChatRequest]):
+    """Run /completion's (or /infill's) requests one after another: a JSON result per prompt (a list
+    when there are several), or one prompt streamed."""
     if chats[0].stream:
         if len(chats) > 1:
             raise invalid("streaming takes one prompt")

@@ -5,9 +5,9 @@ class; and afterwards the server still answers GET / and a normal chat.
 
 Routes (pantheon/web/*_routes.py): POST /v1/chat/completions, /v1/completions, /v1/messages,
 /v1/messages/count_tokens (Anthropic's error shape), /v1/responses, /v1/embeddings, /tokenize,
-/detokenize, /completion (llama-server's own), /admin/models/load, /admin/models/unload, /admin/session/export, /session/restore,
+/detokenize, /completion and /infill (llama-server's own), /apply-template, /admin/models/load, /admin/models/unload, /admin/session/export, /session/restore,
 /session/release, /admin/test/faults (404 without PANTHEON_TEST_HOOKS); GET /, /v1/models,
-/v1/responses/{id}, /admin/models, /admin/dies, /session/estimate, /session/watch.
+/v1/responses/{id}, /admin/models, /admin/dies, /session/estimate, /session/watch, /props, /slots.
 
 PANTHEON_FUZZ_EXAMPLES (default 60) sets the examples per test; CI keeps the default."""
 
@@ -206,6 +206,11 @@ NATIVE_FIELDS = {"prompt": either(st.one_of(PROMPTS, st.fixed_dictionaries({"pro
                  "return_tokens": scalars, "response_fields": either(st.lists(texts, max_size=3)),
                  "stop": CHAT_FIELDS["stop"]}
 MESSAGES_BODY = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+INFILL_FIELDS = {**NATIVE_FIELDS, "input_prefix": either(texts), "input_suffix": either(texts),
+                 "input_extra": either(st.lists(either(st.fixed_dictionaries(
+                     {}, optional={"filename": either(texts), "text": either(texts)})), max_size=3))}
+TEMPLATE_FIELDS = {"messages": CHAT_FIELDS["messages"], "tools": CHAT_FIELDS["tools"],
+                   "add_generation_prompt": scalars, "model": CHAT_FIELDS["model"]}
 
 
 @st.composite
@@ -252,7 +257,9 @@ POST_ROUTES = {CHAT: (NORMAL_CHAT, CHAT_FIELDS),
                "/v1/embeddings": ({"model": "tiny", "input": "hello"}, EMBEDDING_FIELDS),
                "/tokenize": ({"content": "hello"}, TOKENIZE_FIELDS),
                "/detokenize": ({"tokens": [1, 2]}, DETOKENIZE_FIELDS),
-               "/completion": ({"prompt": "hello", "n_predict": 2}, NATIVE_FIELDS)}
+               "/completion": ({"prompt": "hello", "n_predict": 2}, NATIVE_FIELDS),
+               "/infill": ({"input_prefix": "a", "input_suffix": "b", "prompt": "c", "n_predict": 2}, INFILL_FIELDS),
+               "/apply-template": ({"messages": [{"role": "user", "content": "hello"}]}, TEMPLATE_FIELDS)}
 
 EDGE_QUERY_VALUES = st.sampled_from(["1", "0", "-1", "nan", "inf", "-inf", "1e308", "1e400", "1e305", "1e300",
                                      "4.9e-324", "0x10", "1_000", " 5 ", "", "tiny", "fz-a", "%ff%fe", "%00",
@@ -261,7 +268,8 @@ QUERY_VALUES = st.one_of(EDGE_QUERY_VALUES, EDGE_QUERY_VALUES, numbers.map(str),
                          st.text(alphabet="0123456789.eE+-naif", max_size=12),
                          texts.map(lambda t: "".join(f"%{b:02X}" for b in t.encode("utf-8", "surrogatepass"))))
 QUERY_KEYS = {"/session/estimate": ["tokens", "blob_bytes", "upload_bps", "name", "x"],
-              "/session/watch": ["session_id", "name", "x"]}
+              "/session/watch": ["session_id", "name", "x"],
+              "/props": ["model", "x"], "/slots": ["model", "fail_on_no_slot", "x"]}
 
 
 @st.composite
@@ -274,7 +282,7 @@ def query_strings(draw, route: str):
 
 
 GET_ROUTES = ["/", "/v1/models", "/admin/models", "/admin/dies", "/session/estimate", "/session/watch",
-              "/v1/responses/resp_nope"]
+              "/v1/responses/resp_nope", "/props", "/slots"]
 
 
 # ---- the app and the invariants -----------------------------------------------------------------
@@ -283,7 +291,8 @@ def app(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     models = root / "models"
     models.mkdir()
-    tiny = write_tiny_llama(models / "tiny.gguf")
+    tiny = write_tiny_llama(models / "tiny.gguf", extra_tokens=("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+                                                                 "<|repo_name|>", "<|file_sep|>"))  # /infill runs
     (root / "outside.gguf").write_bytes(tiny.read_bytes())
     (models / "link-out.gguf").symlink_to(root / "outside.gguf")
     (models / "loop.gguf").symlink_to(models / "loop.gguf")
