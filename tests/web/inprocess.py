@@ -35,6 +35,14 @@ class InProcessApp:
 
         return self.run(go())
 
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, dict | list]:
+        """(status, JSON body) of a GET."""
+        async def go():
+            r = await self.client.get(path, headers=headers or {})
+            return r.status_code, await r.get_json()
+
+        return self.run(go())
+
     def stream(self, path: str, body: dict) -> tuple[int, list[dict | str]]:
         """A streaming POST: (status, the decoded `data:` payloads, "[DONE]" as a string)."""
         async def go():

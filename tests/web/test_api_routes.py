@@ -30,14 +30,6 @@ def keyed(tmp_path_factory):
     server.close()
 
 
-def get(app, path: str, headers: dict | None = None):
-    async def go():
-        r = await app.client.get(path, headers=headers or {})
-        return r.status_code, await r.get_json()
-
-    return app.run(go())
-
-
 # ---- the API key -------------------------------------------------------------------------------------
 def test_api_key_guards_the_inference_routes(keyed):
     status, body, headers = keyed.post("/v1/chat/completions", CHAT)
@@ -46,13 +38,13 @@ def test_api_key_guards_the_inference_routes(keyed):
     assert keyed.post("/v1/chat/completions", CHAT, {"x-api-key": KEY})[0] == 200
     assert keyed.post("/v1/chat/completions", CHAT, {"Authorization": "Bearer wrong"})[0] == 401
     assert keyed.post("/tokenize", {"content": "hi"})[0] == 401
-    assert get(keyed, "/v1/models")[0] == 200 and get(keyed, "/models")[0] == 200  # public, as llama-server's
+    assert keyed.get("/v1/models")[0] == 200 and keyed.get("/models")[0] == 200  # public, as llama-server's
     # Anthropic's clients send x-api-key and read Anthropic's error shape
     status, body, _ = keyed.post("/v1/messages", MESSAGES)
     assert status == 401 and body == {"type": "error", "error": {"type": "authentication_error", "message": body[
         "error"]["message"]}}
     assert keyed.post("/v1/messages", MESSAGES, {"x-api-key": KEY})[0] == 200
-    assert get(keyed, "/health")[0] == 200 and get(keyed, "/")[0] == 200  # probes stay open
+    assert keyed.get("/health")[0] == 200 and keyed.get("/")[0] == 200  # probes stay open
 
 
 def test_no_api_key_by_default(app):
@@ -114,10 +106,10 @@ def test_responses_refusals_and_the_store(app):
     status, reply, _ = app.post("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 2,
                                                   "store": False, "temperature": 0})
     assert status == 200 and reply["store"] is False
-    assert get(app, f"/v1/responses/{reply['id']}")[0] == 404  # not kept
+    assert app.get(f"/v1/responses/{reply['id']}")[0] == 404  # not kept
     status, kept, _ = app.post("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 2,
                                                  "temperature": 0})
-    assert get(app, f"/v1/responses/{kept['id']}") == (200, kept)
+    assert app.get(f"/v1/responses/{kept['id']}") == (200, kept)
 
 
 def test_response_store_is_bounded():

@@ -118,18 +118,11 @@ def test_the_official_openai_sdk_sends_parts_and_is_served(app):
 
 # --- routes without /v1 ---------------------------------------------------------------------------
 
-def get(app, path):
-    async def go():
-        r = await app.client.get(path)
-        return r.status_code, await r.get_json()
-
-    return app.run(go())
-
 
 def test_routes_without_v1_answer_like_their_v1_twins(app):
-    assert get(app, "/models") == get(app, "/v1/models")
-    status, health = get(app, "/health")
-    assert status == 200 and health == get(app, "/")[1]
+    assert app.get("/models") == app.get("/v1/models")
+    status, health = app.get("/health")
+    assert status == 200 and health == app.get("/")[1]
     msgs = [{"role": "user", "content": "same either way"}]
     s1, a, _ = app.post("/chat/completions", chat(msgs, max_tokens=4))
     s2, b, _ = app.post(CHAT, chat(msgs, max_tokens=4))

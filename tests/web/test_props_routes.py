@@ -19,16 +19,8 @@ def app(tmp_path_factory):
     server.close()
 
 
-def get(app, path: str, headers: dict | None = None):
-    async def go():
-        r = await app.client.get(path, headers=headers or {})
-        return r.status_code, await r.get_json()
-
-    return app.run(go())
-
-
 def test_props_describe_the_model_and_its_defaults(app):
-    status, body = get(app, "/props")
+    status, body = app.get("/props")
     engine = app.engine()
     assert status == 200
     assert body["model_path"] == str(engine.path) and body["model_path"].endswith(".gguf")
@@ -54,25 +46,25 @@ def test_props_cannot_be_set(app):
 
 def test_slots_count_the_busy_ones_and_name_no_request(app):
     engine = app.engine()
-    status, body = get(app, "/slots")
+    status, body = app.get("/slots")
     assert status == 200 and [s["id"] for s in body] == [0, 1, 2]
     assert all(s == {"id": s["id"], "n_ctx": engine.effective_ctx, "speculative": False, "is_processing": False}
                for s in body)
-    assert get(app, "/slots?fail_on_no_slot=1")[0] == 200
+    assert app.get("/slots?fail_on_no_slot=1")[0] == 200
     scheduler = engine.scheduler
     taken = 0
     try:  # requests admitted: the scheduler's own count, as a running request holds it
         for _ in range(engine.max_concurrent):
             scheduler.reserve()
             taken += 1
-            busy = [s["is_processing"] for s in get(app, "/slots")[1]]
+            busy = [s["is_processing"] for s in app.get("/slots")[1]]
             assert busy == [i < taken for i in range(3)]
-        status, body = get(app, "/slots?fail_on_no_slot=1")
+        status, body = app.get("/slots?fail_on_no_slot=1")
         assert status == 503 and body["error"]["type"] == "unavailable_error"
     finally:
         for _ in range(taken):
             scheduler._unreserve()
-    assert get(app, "/slots?fail_on_no_slot=1")[0] == 200
+    assert app.get("/slots?fail_on_no_slot=1")[0] == 200
 
 
 def test_apply_template_renders_what_a_chat_would_run(app):
@@ -142,7 +134,7 @@ def test_apply_template_without_a_template_and_the_file_type_from_the_file(tmp_p
     try:
         status, body, _ = server.post("/apply-template", {"messages": HELLO})
         assert status == 400 and "no chat template" in body["error"]["message"]
-        props = get(server, "/props")[1]
+        props = server.get("/props")[1]
         assert props["chat_template"] == "" and props["model_ftype"] == "Q4_K_M"  # as the file says
     finally:
         server.close()
@@ -151,9 +143,9 @@ def test_apply_template_without_a_template_and_the_file_type_from_the_file(tmp_p
 def test_props_need_the_key_the_model_list_does_not(tmp_path_factory):
     server = tiny_app(tmp_path_factory, "props-key", api_key=KEY)
     try:
-        assert get(server, "/v1/models")[0] == 200 and get(server, "/health")[0] == 200
-        assert get(server, "/props")[0] == 401 and get(server, "/slots")[0] == 401
+        assert server.get("/v1/models")[0] == 200 and server.get("/health")[0] == 200
+        assert server.get("/props")[0] == 401 and server.get("/slots")[0] == 401
         assert server.post("/apply-template", {"messages": HELLO})[0] == 401
-        assert get(server, "/props", {"Authorization": f"Bearer {KEY}"})[0] == 200
+        assert server.get("/props", {"Authorization": f"Bearer {KEY}"})[0] == 200
     finally:
         server.close()

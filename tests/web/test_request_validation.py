@@ -33,13 +33,6 @@ def raw_post(app, path: str, data: str | bytes) -> tuple[int, dict]:
     return app.run(go())
 
 
-def get(app, path: str) -> tuple[int, dict]:
-    async def go():
-        r = await app.client.get(path)
-        return r.status_code, await r.get_json()
-
-    return app.run(go())
-
 
 def chat(content="hi", **kw) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0,
@@ -129,9 +122,9 @@ def test_max_tokens_past_the_cap_is_clamped(app):
 def test_estimate_with_an_infinite_or_huge_token_count_is_refused(app):
     for q in ("tokens=1e309", "tokens=inf", "tokens=nan", f"tokens={BIG}", "tokens=10&blob_bytes=1e309",
               "tokens=10&upload_bps=1e309"):
-        status, body = get(app, f"/session/estimate?{q}")
+        status, body = app.get(f"/session/estimate?{q}")
         assert_400(status, body)
-    assert_400(*get(app, "/session/estimate?tokens=1e309"), "tokens")
+    assert_400(*app.get("/session/estimate?tokens=1e309"), "tokens")
 
 
 def test_admin_load_with_a_huge_integer_is_refused(app):
@@ -292,7 +285,7 @@ def test_a_500_says_what_failed_in_words_with_a_request_id(app, caplog):
 
 
 def test_the_app_still_serves_afterwards(app):
-    status, body = get(app, "/")
+    status, body = app.get("/")
     assert status == 200 and body["status"] == "ok"
     status, body, _ = app.post(CHAT, chat("still here"))
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
