@@ -293,6 +293,19 @@ def _tool_grammar(engine, chat, prompt: _Prompt):
                                                think=prompt.think_rule)
 
 
+def _gbnf(engine, chat, prompt: _Prompt, fmt: "_Format") -> "_Format":
+    """llama-server's `grammar`: the output constrained to a GBNF grammar (after any think block),
+    compiled by llguidance; alone, as llama-server takes it (not with tools or a JSON format)."""
+    if prompt.tools_on:
+        raise PlanError("'grammar' cannot be combined with tools")
+    if fmt.grammar is not None:
+        raise PlanError("'grammar' cannot be combined with a JSON response_format or json_schema")
+    try:
+        return _Format(engine.grammar_factory.gbnf_grammar(chat.grammar, prompt.think_rule), status=fmt.status)
+    except ValueError as e:
+        raise PlanError(f"invalid 'grammar': {e}") from None
+
+
 def plan_chat(engine, chat, window: int | None = None) -> ChatPlan:
     """Render, tokenize and constrain `chat` for `engine`. With window, a prompt that cannot fit
     (len >= window) raises PromptOverBudget as soon as that is known, before any grammar compile. A
@@ -300,6 +313,8 @@ def plan_chat(engine, chat, window: int | None = None) -> ChatPlan:
     prompt = _prompt(engine, chat, window)
     tools = _tool_grammar(engine, chat, prompt)
     fmt = _response_format(engine, chat.response_format, prompt)
+    if getattr(chat, "grammar", None):
+        fmt = _gbnf(engine, chat, prompt, fmt)
     request = GenerationRequest(
         prompt_ids=prompt.ids, choices=[_sampling(chat, i) for i in range(chat.n)],
         max_tokens=chat.max_tokens, stops=chat.stop, think=prompt.think, start_in_reasoning=prompt.start_in_reasoning,

@@ -37,6 +37,7 @@ class ChatRequest:
     n: int = 1
     n_status: str | None = None
     response_format: dict | None = None
+    grammar: str | None = None  # llama-server's GBNF constraint
     enable_thinking: bool | None = None
     reasoning_budget: int | None = None  # None -> the model's; <= 0 -> off
     tools: list | None = None
@@ -319,6 +320,14 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
         seed = _number(body, "seed", None, int)
     model = body.get("model")
     rf = body.get("response_format")
+    schema = body.get("json_schema")  # llama-server's top-level form of a json_schema response_format
+    if rf is None and schema is not None:
+        if not isinstance(schema, dict):
+            raise invalid("'json_schema' must be a JSON schema object")
+        rf = {"type": "json_schema", "json_schema": {"schema": schema}}
+    grammar = body.get("grammar")
+    if grammar is not None and not isinstance(grammar, str):
+        raise invalid("'grammar' must be a GBNF grammar as a string")
     return dict(
         model=model if isinstance(model, str) else None,
         # Sampling fields are clamped into what the sampler's device arrays hold, here, at parse
@@ -338,6 +347,7 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
         top_logprobs=_clamp(_number(body, "top_logprobs", 0, int), 0, 20),
         n=n, n_status=n_status,
         response_format=rf if isinstance(rf, dict) else None,
+        grammar=grammar or None,
         enable_thinking=thinking,
         reasoning_budget=budget,
         session_id=_session_id(body, session_header),

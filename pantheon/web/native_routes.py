@@ -66,7 +66,8 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
         "max_tokens": MAX_TOKENS_CAP if n_predict < 0 else max(n_predict, 1), "stop": body.get("stop"),
         "stream": body.get("stream", False), "seed": None if seed in (None, -1) else seed,
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
-        "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20)})
+        "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20), "grammar": body.get("grammar"),
+        "json_schema": body.get("json_schema"), "response_format": body.get("response_format")})
     return ChatRequest(messages=[], prompt=mixed_prompt_ids(engine.tokenizer, prompt), **fields)
 
 

@@ -231,6 +231,33 @@ def test_chat_carries_llama_servers_fingerprint_and_timings(app):
     assert last["choices"] == [] and last["timings"]["predicted_n"] == last["usage"]["completion_tokens"] == 3
 
 
+def test_llama_servers_grammar_and_json_schema_constrain_the_answer(app):
+    import json as _json
+    import re
+
+    grammar = 'root ::= ("yes" | "no") " " [0-9] [0-9]?'
+    for seed in range(3):
+        status, body, _ = app.post("/completion", {"prompt": "hello", "n_predict": 8, "seed": seed, "grammar": grammar})
+        assert status == 200 and re.fullmatch(r"(yes|no) [0-9]{1,2}", body["content"]), body["content"]
+    status, body, _ = app.post("/v1/chat/completions", {**CHAT, "max_tokens": 8, "temperature": 1, "grammar": grammar})
+    assert status == 200 and re.fullmatch(r"(yes|no) [0-9]{1,2}", body["choices"][0]["message"]["content"])
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    status, body, _ = app.post("/completion", {"prompt": "hello", "n_predict": 64, "seed": 1, "json_schema": schema})
+    assert status == 200 and set(_json.loads(body["content"])) == {"n"}
+    for bad, says in (({"grammar": "root ::= ("}, "invalid 'grammar'"), ({"grammar": 5}, "'grammar' must be"),
+                      ({"json_schema": "x"}, "'json_schema' must be"),
+                      ({"grammar": grammar, "response_format": {"type": "json_object"}}, "cannot be combined")):
+        status, out, _ = app.post("/completion", {"prompt": "hello", "n_predict": 2, **bad})
+        assert status == 400 and says in out["error"]["message"], out
+    from pantheon.engine.chat import PlanError, plan_chat
+    from pantheon.web.chat_request import parse_chat_request
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(PlanError, match="cannot be combined with tools"):  # (the tiny window takes no tools)
+        plan_chat(app.engine(), parse_chat_request({**CHAT, "grammar": grammar, "tools": tools}))
+
+
 @pytest.mark.parametrize("route, body, usage", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}, "completion_tokens"),
     ("/v1/completions", {"prompt": "hello"}, "completion_tokens"),

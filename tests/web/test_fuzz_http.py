@@ -204,7 +204,10 @@ NATIVE_FIELDS = {"prompt": either(st.one_of(PROMPTS, st.fixed_dictionaries({"pro
                  "logit_bias": either(st.lists(st.tuples(st.one_of(INTS, texts), st.one_of(numbers, st.booleans())),
                                                max_size=3)),
                  "return_tokens": scalars, "response_fields": either(st.lists(texts, max_size=3)),
-                 "stop": CHAT_FIELDS["stop"]}
+                 "stop": CHAT_FIELDS["stop"],
+                 "grammar": either(st.one_of(st.sampled_from(['root ::= "a" | "b"', "root ::= (", 'root ::= x\nx ::= [a-z]+',
+                                                              'root ::= "start" root?', ""]), texts)),
+                 "json_schema": either(values)}
 MESSAGES_BODY = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
 INFILL_FIELDS = {**NATIVE_FIELDS, "input_prefix": either(texts), "input_suffix": either(texts),
                  "input_extra": either(st.lists(either(st.fixed_dictionaries(

@@ -89,13 +89,40 @@ def tool_grammar_policy(tool_choice: Any, has_tools: bool, env: str | None = Non
 class Grammar:
     """A compiled-on-demand grammar: its Lark text plus what closing_text() needs."""
     lark: str
-    kind: str                       # "tool" | "json"
+    kind: str                       # "tool" | "json" | "gbnf"
     dialect: Dialect | None = None
     tools: list = field(default_factory=list)
     mode: str = ""                  # tool grammars: required | named | auto
     think: str = "none"             # none | optional | open
     closers: tuple = ()
     downgraded: tuple = ()          # schema features not enforced (json_schema), or fallbacks used
+
+
+
+def _rename_rule(lark: str, old: str, new: str) -> str:
+    """`old` renamed `new` wherever it is a name in Lark text: not inside "strings" or /regexes/
+    or after a % directive."""
+    out, i, n = [], 0, len(lark)
+    while i < n:
+        c = lark[i]
+        if c in "\"/" or (c == "%" and (i == 0 or lark[i - 1] == "\n")):
+            end = "\n" if c == "%" else c
+            j = i + 1
+            while j < n and lark[j] != end:
+                j += 2 if lark[j] == "\\" and c != "%" else 1
+            out.append(lark[i:j + 1])
+            i = j + 1
+        elif c.isalpha() or c == "_":
+            j = i
+            while j < n and (lark[j].isalnum() or lark[j] == "_"):
+                j += 1
+            word = lark[i:j]
+            out.append(new if word == old else word)
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 class GrammarMatcher:
@@ -410,6 +437,25 @@ class GrammarFactory:
         else:
             rules.append(f"start: {prefix} {c.call}")
         return "\n".join(rules) + "\n"
+
+    # -- llama-server's `grammar` ---------------------------------------------------------------
+    def gbnf_grammar(self, gbnf: str, think: str = "none") -> Grammar:
+        """A GBNF grammar (llama.cpp's) as Lark through llguidance's converter, its root after the
+        think block `think` allows; ValueError with the reason where it does not convert or
+        compile."""
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(gbnf)
+        except Exception as e:  # noqa: BLE001 - the converter raises bare Exception (an unknown rule) too
+            raise ValueError(str(e)[:400] or type(e).__name__) from None
+        prefix, rules = self._think_rules(think)
+        if prefix:  # the converted root is `start`; it becomes a rule under a start of ours
+            lark = "\n".join([_rename_rule(lark, "start", "gbnf_root"), *rules, f"start: {prefix} gbnf_root", ""])
+        is_err, msgs = self.validate(lark)
+        if is_err:
+            raise ValueError((msgs[0] if msgs else "the grammar does not compile")[:400])
+        return Grammar(lark=lark, kind="gbnf", think=think)
 
     # -- response_format ------------------------------------------------------------------------
     def json_object_grammar(self, think: str = "none") -> Grammar:

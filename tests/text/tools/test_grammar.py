@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -189,6 +190,44 @@ def test_json_schema_think_prefix(smollm2_factory, driver):
         assert m.consume(t)
     text, _, _ = driver.run(m, 7)
     jsonschema.validate(json.loads(text.split("</think>", 1)[1]), PERSON)
+
+
+YES_NO = r'''root ::= answer " " number
+answer ::= "yes" | "no"
+number ::= [0-9] [0-9]? # a start-like word in a comment, and "start" in a string: ("start")?
+'''
+
+
+def test_gbnf_random_decoding(smollm2_factory, driver):
+    """llama-server's `grammar`: GBNF through llguidance's converter, decoded at random."""
+    f = smollm2_factory
+    g = f.gbnf_grammar(YES_NO)
+    assert g.kind == "gbnf"
+    for seed in range(3):
+        m = f.matcher(g)
+        text, _, _ = driver.run(m, seed)
+        assert re.fullmatch(r"(yes|no) [0-9]{1,2}", text), text
+        assert m.closing_text() == ""
+
+
+def test_gbnf_think_prefix_and_refusals(smollm2_factory, driver):
+    f = smollm2_factory
+    m = f.matcher(f.gbnf_grammar('root ::= "start" | "go"', think="optional"))
+    for t in f.tokenizer.encode("<think>\nsay start\n</think>\n", add_bos=False):
+        assert m.consume(t)
+    text, _, _ = driver.run(m, 3)
+    assert text.split("</think>", 1)[1].strip() in ("start", "go")
+    for bad in ("root ::= (", "root ::= missing", "", "x ::= \"a\""):
+        with pytest.raises(ValueError):
+            f.gbnf_grammar(bad)
+
+
+def test_rename_rule_leaves_literals_alone():
+    from pantheon.text.tools.grammar import _rename_rule
+
+    lark = '%llguidance {"start": 1}\nstart: "start" /start\\/x/ start_b | start\nstart_b: "a\\"start"\n'
+    assert _rename_rule(lark, "start", "r") == \
+        '%llguidance {"start": 1}\nr: "start" /start\\/x/ start_b | r\nstart_b: "a\\"start"\n'
 
 
 def test_json_schema_downgrades(smollm2_factory):
