@@ -8,7 +8,9 @@ Two kinds of series, one registry per app (tests build many apps in one process)
   active and free slots, sessions on the device and on the host tier, prefill and decode tokens
   and device seconds, recent tok/s, the `graphs` and `attention` residency of /admin/models,
   device memory used and budget per die (/admin/dies), and the memory ladder's level.
-Names follow Prometheus conventions: `pantheon_` prefix, `_total` counters, `_seconds`, `_bytes`."""
+Names follow Prometheus conventions: `pantheon_` prefix, `_total` counters, `_seconds`, `_bytes`.
+Beside them, llama-server's own series (`llamacpp:prompt_tokens_total`, ...; summed over the
+served models, as llama-server serves one), so dashboards built for it read Pantheon too."""
 
 from __future__ import annotations
 
@@ -37,7 +39,15 @@ class Metrics:
                               ("model",), buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pantheon_inter_token_latency_seconds", "Gap between successive generated tokens",
                              ("model",), buckets=TOKEN_BUCKETS, registry=r)
+        self.token_totals: dict[str, int] = {"prompt": 0, "cached": 0, "generated": 0}  # all models
         r.register(_StateCollector(state))
+        r.register(_LlamaServerCollector(state, self.token_totals))
+
+    def count_tokens(self, model: str, prompt: int, cached: int, generated: int) -> None:
+        """A finished request's tokens: its prompt (cached ones included), the cached, the generated."""
+        for kind, n in (("prompt", prompt), ("cached", cached), ("generated", generated)):
+            self.tokens.labels(model, kind).inc(n)
+            self.token_totals[kind] += n
 
     def request_done(self, rec: dict) -> None:
         route = rec.get("route") or "unmatched"  # the matched rule, never the raw path (bounded labels)
@@ -46,6 +56,11 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _queued(sched) -> int:
+    """Requests admitted but not yet decoding (the scheduler's count, or its queue if larger)."""
+    return max(sched.load - len(sched.running), len(sched.waiting), 0)
 
 
 class _StateCollector:
@@ -84,8 +99,8 @@ class _StateCollector:
         for entry in self.state.pool.ready():
             e, name = entry.engine, entry.config.name
             sched = e.scheduler
-            running, waiting = len(sched.running), len(sched.waiting)
-            queue.add_metric([name], max(sched.load - running, waiting, 0))
+            running = len(sched.running)
+            queue.add_metric([name], _queued(sched))
             active.add_metric([name], running)
             free.add_metric([name], e.free_slots)
             concurrency.add_metric([name, "served"], e.max_concurrent)
@@ -124,6 +139,48 @@ class _StateCollector:
             budget.add_metric([str(d.index)], die_budget(d))
         yield used
         yield budget
+
+
+class _LlamaServerCollector:
+    """llama-server's /metrics series (its names, their meaning as it counts them), read per scrape:
+    prompt tokens computed (cached ones not) and their device seconds, tokens generated and theirs,
+    the average rates, requests decoding and waiting, prompt tokens reused from the cache and
+    their share of the prompt tokens."""
+
+    def __init__(self, state, totals: dict[str, int]):
+        self.state, self.totals = state, totals
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        engines = [entry.engine for entry in self.state.pool.ready()]
+        prefill_s = sum(e.throughput.seconds["prefill"] for e in engines)
+        decode_s = sum(e.throughput.seconds["decode"] for e in engines)
+        prompt, cached, generated = self.totals["prompt"], self.totals["cached"], self.totals["generated"]
+        computed = prompt - cached
+        running = sum(len(e.scheduler.running) for e in engines)
+        waiting = sum(_queued(e.scheduler) for e in engines)
+        for name, doc, value, kind in (
+                ("prompt_tokens_total", "Number of prompt tokens processed.", computed, CounterMetricFamily),
+                ("prompt_seconds_total", "Prompt process time", prefill_s, CounterMetricFamily),
+                ("tokens_predicted_total", "Number of generation tokens processed.", generated, CounterMetricFamily),
+                ("tokens_predicted_seconds_total", "Predict process time", decode_s, CounterMetricFamily),
+                ("prompt_tokens_cache_total", "Number of prompt tokens reused from the cache.", cached,
+                 CounterMetricFamily),
+                ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                 sum(e.throughput.tokens["prefill"] for e in engines) / prefill_s if prefill_s else 0.0,
+                 GaugeMetricFamily),
+                ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                 sum(e.throughput.tokens["decode"] for e in engines) / decode_s if decode_s else 0.0,
+                 GaugeMetricFamily),
+                ("prompt_cache_hit_ratio", "Prompt tokens reused from the cache over prompt tokens.",
+                 cached / prompt if prompt else 0.0, GaugeMetricFamily),
+                ("requests_processing", "Number of requests processing.", running, GaugeMetricFamily),
+                ("requests_deferred", "Number of requests deferred.", waiting, GaugeMetricFamily)):
+            family = kind(f"llamacpp:{name.removesuffix('_total') if kind is CounterMetricFamily else name}", doc)
+            family.add_metric([], value)
+            yield family
 
 
 @bp.route("/metrics", methods=["GET"])

@@ -81,9 +81,7 @@ async def observe_events(events, rec: dict | None, metrics=None):
                 rec.setdefault("marks", {})["end"] = now - rec["_t0"]
                 rec["timing"] = ev.timing
                 if metrics:
-                    metrics.tokens.labels(model, "prompt").inc(ev.prompt_tokens)
-                    metrics.tokens.labels(model, "cached").inc(ev.cached_tokens)
-                    metrics.tokens.labels(model, "generated").inc(ev.completion_tokens)
+                    metrics.count_tokens(model, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)
             elif isinstance(ev, RequestError):
                 rec["error"] = ev.type
             yield ev

@@ -140,6 +140,30 @@ def test_metrics_count_what_the_requests_did(app):
     assert value(after, "pantheon_tokens_per_second", model="tiny", phase="decode") > 0
 
 
+def test_llama_servers_series_read_the_same_counts(app):
+    """llama-server's names (`llamacpp:*`) beside ours: prompt tokens computed and reused, tokens
+    generated, their device seconds and rates, requests running and waiting."""
+    req = {"prompt": "the llama-server metrics, twice", "n_predict": 3, "temperature": 0, "model": "tiny"}
+    before = scrape(app)
+    first, second = app.post("/completion", req)[1], app.post("/completion", req)[1]
+    after = scrape(app)
+    delta = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
+    assert second["timings"]["cache_n"] > 0
+    cached = first["timings"]["cache_n"] + second["timings"]["cache_n"]
+    computed = first["timings"]["prompt_n"] + second["timings"]["prompt_n"]
+    assert delta("llamacpp:prompt_tokens_cache_total") == cached == delta("pantheon_tokens_total", model="tiny",
+                                                                            kind="cached")
+    assert delta("llamacpp:prompt_tokens_total") == computed
+    assert delta("llamacpp:tokens_predicted_total") == 6
+    prompt = value(after, "pantheon_tokens_total", model="tiny", kind="prompt")
+    assert value(after, "llamacpp:prompt_cache_hit_ratio") == pytest.approx(
+        value(after, "pantheon_tokens_total", model="tiny", kind="cached") / prompt)
+    engine = app.engine("tiny")
+    assert value(after, "llamacpp:tokens_predicted_seconds_total") == pytest.approx(engine.throughput.seconds["decode"])
+    assert value(after, "llamacpp:predicted_tokens_seconds") > 0 and value(after, "llamacpp:prompt_tokens_seconds") > 0
+    assert value(after, "llamacpp:requests_processing") == 0 == value(after, "llamacpp:requests_deferred")
+
+
 def test_sessions_show_by_tier(app):
     assert app.post("/v1/chat/completions", CHAT, {"X-Session-Id": "obs-tier"})[0] == 200
     assert value(scrape(app), "pantheon_sessions", model="tiny", tier="device") >= 1
