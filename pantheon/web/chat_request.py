@@ -199,12 +199,26 @@ def is_token_id(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _object_prompt(field: str, value: dict):
+    """llama-server's prompt objects: {"prompt_string": text}, or {"content": [text parts]} (its
+    multimodal form; the parts' text joined, and any other part refused: this serves text only)."""
+    if "prompt_string" in value:
+        return value["prompt_string"]
+    parts = value.get("content")
+    if not isinstance(parts, list) or not parts:
+        raise invalid(f"a prompt object in '{field}' needs \"prompt_string\" or \"content\": [text parts]")
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise invalid(f"'{field}' holds a part other than text: this model accepts text only")
+    return "".join(p["text"] for p in parts)
+
+
 def llama_prompts(field: str, value, most: int) -> list[str | list]:
     """llama-server's prompt forms (its /completion, its embeddings' input): text, token ids, or text
     and ids mixed in one array (a top-level array holding any number is one prompt); otherwise each
-    element of an array is a prompt (text, ids, mixed, or {"prompt_string": text}); at most `most`."""
+    element of an array is a prompt (text, ids, mixed, or an object: {"prompt_string": text},
+    {"content": [text parts]}); at most `most`."""
     if isinstance(value, dict):
-        value = value.get("prompt_string")
+        value = _object_prompt(field, value)
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
@@ -215,10 +229,10 @@ def llama_prompts(field: str, value, most: int) -> list[str | list]:
         out = []
         for p in value:
             if isinstance(p, dict):
-                p = p.get("prompt_string")
+                p = _object_prompt(field, p)
             if not (isinstance(p, str) or (isinstance(p, list) and p and all(is_token_id(v) or isinstance(v, str)
                                                                               for v in p))):
-                raise invalid(f"each of '{field}' must be text, token ids, or {{\"prompt_string\": text}}")
+                raise invalid(f"each of '{field}' must be text, token ids, or a prompt object")
             out.append(p)
         if len(out) > most:
             raise invalid(f"'{field}' holds {len(out)} prompts; at most {most} per request")

@@ -159,7 +159,11 @@ def test_embeddings_route(app):
     assert reply["data"][0]["embedding"] == same
     status, reply, _ = app.post("/embeddings", {"model": "tiny", "content": [{"prompt_string": "hello"}, [1, "x"]]})
     assert status == 200 and [d["index"] for d in reply["data"]] == [0, 1]
-    for bad in ([5, None], [{"prompt_string": 3}], [[]], {}):
+    parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    status, reply, _ = app.post("/v1/embeddings", {"model": "tiny", "input": ["hello world", parts]})
+    assert status == 200 and reply["data"][0]["embedding"] == reply["data"][1]["embedding"]  # the parts' text joined
+    for bad in ([5, None], [{"prompt_string": 3}], [[]], {}, {"content": "string"},
+                {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}):
         assert app.post("/v1/embeddings", {"model": "tiny", "input": bad})[0] == 400
 
 
