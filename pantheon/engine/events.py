@@ -29,8 +29,10 @@ class GenerationRequest:
 @dataclass
 class TokenInfo:
     token: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float  # under the model's distribution
+    top: list[tuple[int, float]]  # its likeliest tokens and their log-probabilities
+    prob: float = 0.0  # under the sampler's distribution (after bias, penalties, temperature, top-k/p)
+    post: list[tuple[int, float]] = field(default_factory=list)  # the sampler's likeliest and their probabilities
 
 
 @dataclass

@@ -97,6 +97,12 @@ class SampleOutput:
     logprob: jax.Array  # float32 [B]: log-probability of the chosen token under the model
     top_ids: jax.Array  # int32 [B, 20]
     top_logprobs: jax.Array  # float32 [B, 20]
+    # the sampler's own distribution, after bias, penalties, grammar, temperature, top-k and top-p
+    # (llama-server's post_sampling_probs): the chosen token's probability in it, and its 20
+    # likeliest candidates with theirs (a greedy row: the argmax, with 1); zeros without want_top
+    post_prob: jax.Array  # float32 [B]
+    post_ids: jax.Array  # int32 [B, 20]
+    post_probs: jax.Array  # float32 [B, 20]
 
 
 CANDIDATES = 128  # rows whose top_k fits here sample from a partial top-k, not a full-vocab sort
@@ -147,7 +153,9 @@ def top_candidates(x, width: int):
 
 
 def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
-    """temperature-scaled logits -> sampled ids, restricted to the `width` best candidates."""
+    """temperature-scaled logits -> (sampled ids, the chosen one's probability among the kept
+    candidates, the first MAX_TOP_LOGPROBS candidates' ids and probabilities), restricted to the
+    `width` best candidates."""
     vals, ids = top_candidates(scaled, width)  # descending
     k = jnp.where(top_k <= 0, width, jnp.minimum(top_k, width))
     keep = jnp.arange(width)[None, :] < k[:, None]
@@ -156,7 +164,12 @@ def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     keep = keep & (mass_before < top_p[:, None])  # the top token is always kept
     noise = jax.vmap(lambda key: _rank_noise(key, width))(row_keys)
     choice = first_argmax(jnp.where(keep, vals + noise, -jnp.inf))  # Gumbel-max = categorical
-    return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
+    kept = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)  # what the choice was drawn from
+    n = min(MAX_TOP_LOGPROBS, width)
+    post = jnp.pad(kept[:, :n], ((0, 0), (0, MAX_TOP_LOGPROBS - n)))
+    post_ids = jnp.pad(ids[:, :n], ((0, 0), (0, MAX_TOP_LOGPROBS - n)))
+    return (jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0],
+            jnp.take_along_axis(kept, choice[:, None], axis=1)[:, 0], post_ids.astype(jnp.int32), post)
 
 
 def unpack_bitmask(mask, n_vocab: int):
@@ -217,10 +230,14 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     row_keys = jax.vmap(lambda kd, s: jax.random.fold_in(jax.random.wrap_key_data(kd), s))(keys, steps)
     needs_full = jnp.any(sampled_rows & ((top_k <= 0) | (top_k > CANDIDATES)))
     width = min(CANDIDATES, n_vocab)
-    sample_any = lambda: jax.lax.cond(
+    rows = x.shape[0]
+    none_sampled = lambda: (greedy_ids, jnp.zeros(rows, jnp.float32),  # noqa: E731
+                            jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_TOP_LOGPROBS)))
+    sample_any = lambda: jax.lax.cond(  # noqa: E731
         needs_full, lambda: _sample_sorted(scaled, top_k, top_p, row_keys, n_vocab),
         lambda: _sample_sorted(scaled, top_k, top_p, row_keys, width))
-    sampled = jax.lax.cond(jnp.any(sampled_rows), sample_any, lambda: greedy_ids)
+    sampled, sampled_prob, sampled_post_ids, sampled_post = jax.lax.cond(jnp.any(sampled_rows), sample_any,
+                                                                         none_sampled)
     tokens = jnp.where(sampled_rows, sampled, greedy_ids).astype(jnp.int32)
     tokens = jnp.where(b.forced >= 0, b.forced, tokens)
 
@@ -228,8 +245,19 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     if want_top:
         top_lp, top_ids = top_candidates(logits, MAX_TOP_LOGPROBS)
         top_lp = (top_lp - top) - log_sum
+        # a greedy row's sampler keeps its argmax alone: probability 1 (top_candidates' first is
+        # first_argmax's choice: ties to the lower id in both)
+        _, greedy_post_ids = top_candidates(x, MAX_TOP_LOGPROBS)
+        one_hot = (jnp.arange(MAX_TOP_LOGPROBS) == 0).astype(jnp.float32)
+        post_ids = jnp.where(sampled_rows[:, None], sampled_post_ids, greedy_post_ids).astype(jnp.int32)
+        post_probs = jnp.where(sampled_rows[:, None], sampled_post, one_hot[None, :])
+        post_prob = jnp.where(sampled_rows, sampled_prob, 1.0)
+        forced_prob = jnp.sum(jnp.where(post_ids == tokens[:, None], post_probs, 0.0), axis=-1)
+        post_prob = jnp.where(b.forced >= 0, forced_prob, post_prob)  # a forced token: as the sampler saw it
     else:
-        top_lp = jnp.zeros((logits.shape[0], MAX_TOP_LOGPROBS), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], MAX_TOP_LOGPROBS), jnp.int32)
+        top_lp = jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32)
+        top_ids = jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32)
+        post_ids, post_probs, post_prob = top_ids, top_lp, jnp.zeros(rows, jnp.float32)
     new_state = SamplerState(state.counts.at[slots, tokens].add(1), state.bias)
-    return SampleOutput(tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp), new_state
+    return SampleOutput(tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp, post_prob, post_ids, post_probs), \
+        new_state

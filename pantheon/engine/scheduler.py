@@ -362,9 +362,12 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            top = ([(int(a), float(b)) for a, b in zip(out.top_ids[row], out.top_logprobs[row])]
-                   if seq.params.logprobs else [])
-            outcome: Outcome = seq.accept(int(out.tokens[row]), float(out.logprob[row]), top, policy)
+            top = post = []
+            if seq.params.logprobs:
+                top = [(int(a), float(b)) for a, b in zip(out.top_ids[row], out.top_logprobs[row])]
+                post = [(int(a), float(b)) for a, b in zip(out.post_ids[row], out.post_probs[row])]
+            outcome: Outcome = seq.accept(int(out.tokens[row]), float(out.logprob[row]), top, policy,
+                                          post=(float(out.post_prob[row]), post))
         except Exception as e:  # noqa: BLE001 - a fault in one choice's text handling fails that request
             return self._fail(seq.state, server_error("generation failed while handling a token", e))
         finally:

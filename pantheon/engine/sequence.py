@@ -104,7 +104,10 @@ class Sequence:
             self.matcher.fill_bitmask(row)
 
     # ---- one sampled token ----------------------------------------------------------------------------
-    def accept(self, token: int, logprob: float, top: list[tuple[int, float]], policy: TokenPolicy) -> Outcome:
+    def accept(self, token: int, logprob: float, top: list[tuple[int, float]], policy: TokenPolicy,
+               post: tuple[float, list[tuple[int, float]]] = (0.0, [])) -> Outcome:
+        """post: the token's probability under the sampler's own distribution, and that
+        distribution's likeliest tokens (llama-server's post_sampling_probs)."""
         req, params = self.request, self.params
         if token in policy.eog_ids:
             return Outcome(self.closing(), "stop")
@@ -112,7 +115,8 @@ class Sequence:
             self.matcher.consume(token)
         self.n += 1
         if params.logprobs:
-            self.pending.append(TokenInfo(token, logprob, top[:min(params.top_logprobs, MAX_TOP_LOGPROBS)]))
+            n_top = min(params.top_logprobs, MAX_TOP_LOGPROBS)
+            self.pending.append(TokenInfo(token, logprob, top[:n_top], post[0], post[1][:n_top]))
         was_reasoning = self.text.in_reasoning
         delta = self.text.push(token)
         if delta.stopped:

@@ -81,15 +81,23 @@ def completion_defaults(engine) -> dict:
             "samplers": ["penalties", "top_k", "top_p", "temperature"]}
 
 
-def _probs(engine, tokens) -> list[dict]:
+def _probs(engine, tokens, body: dict) -> list[dict]:
+    """`completion_probabilities`: per token its log-probability and its n_probs likeliest
+    alternatives under the model, or with `post_sampling_probs` the probabilities under the
+    sampler's own distribution (after bias, penalties, temperature, top-k and top-p; a greedy
+    sampler keeps its argmax alone), as `prob` and `top_probs`."""
     tok = engine.tokenizer
 
-    def entry(i: int, lp: float) -> dict:
+    def entry(i: int, value: float, key: str) -> dict:
         raw = tok.token_bytes(i)
         return {"id": i, "token": raw.decode("utf-8", errors="ignore"), "bytes": list(raw),
-                "logprob": max(lp, -3.4028234663852886e38)}
+                key: max(value, -3.4028234663852886e38)}
 
-    return [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]
+    if body.get("post_sampling_probs") is True:
+        return [{**entry(t.token, t.prob, "prob"), "top_probs": [entry(i, p, "prob") for i, p in t.post]}
+                for t in tokens]
+    return [{**entry(t.token, t.logprob, "logprob"), "top_logprobs": [entry(i, lp, "logprob") for i, lp in t.top]}
+            for t in tokens]
 
 
 def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, end: ChoiceEnd | None,
@@ -109,7 +117,7 @@ def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, en
            "tokens_cached": req_end.prompt_tokens + req_end.completion_tokens,
            "timings": timings(req_end)}
     if n_probs and not chat.stream:
-        out["completion_probabilities"] = _probs(engine, tokens)
+        out["completion_probabilities"] = _probs(engine, tokens, body)
     fields = body.get("response_fields")
     if isinstance(fields, list) and fields:  # only these (a "/"-path reads inside), flat keys
         picked = {}
@@ -214,7 +222,7 @@ async def _stream(engine, chat: ChatRequest, body: dict, events):
                 part = {"index": 0, "content": ev.content, "tokens": [t.token for t in ev.tokens], "stop": False,
                         "id_slot": 0, "tokens_predicted": produced, "tokens_evaluated": len(chat.prompt)}
                 if n_probs:
-                    part["completion_probabilities"] = _probs(engine, ev.tokens)
+                    part["completion_probabilities"] = _probs(engine, ev.tokens, body)
                 yield sse.event(part)
             elif isinstance(ev, ChoiceEnd):
                 choice_end = ev

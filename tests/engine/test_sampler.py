@@ -63,6 +63,34 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert seen == {7, 8}  # 0.6 < 0.8, 0.6 + 0.3 >= 0.8: token 9 is cut
 
 
+@pytest.mark.parametrize("top_k, top_p, temperature", [(5, 1.0, 0.7), (0, 0.9, 1.3), (200, 0.5, 1.0), (3, 0.2, 2.0)])
+def test_post_sampling_probabilities_are_the_distribution_drawn_from(top_k, top_p, temperature):
+    """llama-server's post_sampling_probs: temperature, then top-k, then top-p's smallest prefix
+    reaching p, renormalised; in numpy on fresh logits (a batch mixing greedy and sampled rows)."""
+    rng = np.random.default_rng()
+    logits = (rng.normal(size=(2, V)) * 2).astype(np.float32)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=int(rng.integers(1 << 30))),
+              SamplingParams(temperature=0)]
+    out, _ = run(logits, params, want_top=True)
+    order = np.argsort(-logits[0], kind="stable")
+    k = V if top_k <= 0 else min(top_k, V)
+    z = logits[0, order[:k]].astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = (np.cumsum(p) - p) < top_p
+    post = np.where(keep, p, 0.0) / p[keep].sum()
+    n = min(20, k)
+    np.testing.assert_array_equal(np.asarray(out.post_ids)[0, :n], order[:n])
+    np.testing.assert_allclose(np.asarray(out.post_probs)[0, :n], post[:n], rtol=2e-5, atol=1e-7)
+    token = int(out.tokens[0])
+    assert token in set(order[:k][keep].tolist())
+    assert float(out.post_prob[0]) == pytest.approx(post[list(order[:k]).index(token)], rel=2e-5)
+    # the greedy row: its argmax alone, with probability 1
+    assert int(out.post_ids[1, 0]) == int(out.tokens[1]) == logits[1].argmax()
+    np.testing.assert_array_equal(np.asarray(out.post_probs)[1], np.eye(1, 20)[0])
+    assert float(out.post_prob[1]) == 1.0
+
+
 def test_same_seed_same_tokens_and_steps_advance_the_stream():
     rng = np.random.default_rng()
     logits = rng.normal(size=(1, V)).astype(np.float32)

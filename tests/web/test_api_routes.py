@@ -208,6 +208,24 @@ def test_native_completion(app):
     assert status == 200 and set(picked) == {"content", "generation_settings/n_predict"}
 
 
+def test_native_completion_post_sampling_probs(app):
+    """llama-server's post_sampling_probs: probabilities under the sampler's distribution."""
+    req = {"prompt": "hello", "n_predict": 3, "n_probs": 5, "post_sampling_probs": True}
+    status, body, _ = app.post("/completion", {**req, "temperature": 0})
+    assert status == 200 and len(body["completion_probabilities"]) == 3
+    for t in body["completion_probabilities"]:  # greedy: the argmax alone
+        assert t["prob"] == 1.0 and "logprob" not in t and len(t["top_probs"]) == 5
+        assert t["top_probs"][0] == {"id": t["id"], "token": t["token"], "bytes": t["bytes"], "prob": 1.0}
+        assert all(p["prob"] == 0.0 for p in t["top_probs"][1:])
+    status, body, _ = app.post("/completion", {**req, "temperature": 1.0, "top_k": 3, "top_p": 1.0, "seed": 4})
+    for t in body["completion_probabilities"]:
+        probs = [p["prob"] for p in t["top_probs"]]
+        assert sum(probs[:3]) == pytest.approx(1.0, abs=1e-5) and probs[3:] == [0.0, 0.0]
+        assert t["prob"] == next(p["prob"] for p in t["top_probs"] if p["id"] == t["id"]) > 0
+    status, events = app.stream("/completion", {**req, "temperature": 0})
+    assert all(e["completion_probabilities"][0]["prob"] == 1.0 for e in events[:-1])
+
+
 def test_native_completion_stream_and_refusals(app):
     status, events = app.stream("/completion", {"prompt": "hello", "n_predict": 3, "temperature": 0})
     assert status == 200 and "[DONE]" not in events  # llama-server sends none
