@@ -148,15 +148,14 @@ def infill_ids(tok, prefix: str, suffix: str, chunks: list[tuple[str, str]], mid
     return fim_prompt_ids(tok, prefix_ids, suffix_ids, middle, extra)
 
 
-def mixed_prompt_ids(tok, prompt) -> list[int]:
+def mixed_prompt_ids(tok, prompt, add_bos: bool | None = None) -> list[int]:
     """A llama-server prompt (text, ids, or both mixed) as ids: text tokenized with special tokens
-    parsed and BOS as the model says (only before leading text), as llama-server tokenizes; ids as
-    they are."""
-    if isinstance(prompt, str):
-        return tok.encode(prompt, parse_special=True, add_bos=None)
+    parsed and BOS as `add_bos` says (None: as the model says; only before leading text), as
+    llama-server tokenizes; ids as they are."""
+    pieces = [prompt] if isinstance(prompt, str) else prompt
     ids = []
-    for k, piece in enumerate(prompt):
-        ids += tok.encode(piece, parse_special=True, add_bos=None if k == 0 else False) if isinstance(piece, str) \
+    for k, piece in enumerate(pieces):
+        ids += tok.encode(piece, parse_special=True, add_bos=add_bos if k == 0 else False) if isinstance(piece, str) \
             else [piece]
     return ids
 

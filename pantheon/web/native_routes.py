@@ -145,13 +145,18 @@ async def _submit(chat: ChatRequest):
         raise
 
 
-@bp.route("/completion", methods=["POST"])
-async def completion():
+async def _body_and_engine():
+    """The request's JSON object and the model its "model" names (any, where one is served)."""
     body = await json_body()
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     model = body.get("model")
-    engine = current_app.pantheon.resolve(model if isinstance(model, str) else None)
+    return body, current_app.pantheon.resolve(model if isinstance(model, str) else None)
+
+
+@bp.route("/completion", methods=["POST"])
+async def completion():
+    body, engine = await _body_and_engine()
     prompts = llama_prompts("prompt", body.get("prompt"), MAX_PROMPTS)
     return await _answer(engine, body, [_request(body, engine, p) for p in prompts])
 
@@ -162,11 +167,7 @@ async def infill():
     "text"}], "prompt" (the start of the middle)} and /completion's options -> the middle, shaped
     as /completion answers. The prompt is llama-server's repository-level FIM layout
     (engine/chat.infill_ids); a model whose vocabulary has no FIM tokens gets 501."""
-    body = await json_body()
-    if not isinstance(body, dict):
-        raise invalid("request body must be a JSON object")
-    model = body.get("model")
-    engine = current_app.pantheon.resolve(model if isinstance(model, str) else None)
+    body, engine = await _body_and_engine()
     tok = engine.tokenizer
     if missing := missing_fim_tokens(tok):
         raise ApiError(501, "not_supported_error", "infill is not supported by this model: its vocabulary has no "
@@ -187,8 +188,7 @@ async def infill():
     if not (isinstance(middle, str) or (isinstance(middle, list) and all(is_token_id(t) or isinstance(t, str)
                                                                            for t in middle))):
         raise invalid("'prompt' must be text, or text and token ids")
-    middle_ids = [t for piece in ([middle] if isinstance(middle, str) else middle)
-                  for t in (tok.encode(piece, parse_special=True, add_bos=False) if isinstance(piece, str) else [piece])]
+    middle_ids = mixed_prompt_ids(tok, middle, add_bos=False)
     n_predict = body.get("n_predict", -1)
     window = engine.effective_ctx
     batch = min(LLAMA_BATCH, window)  # llama-server fits prefix, middle and suffix in one batch

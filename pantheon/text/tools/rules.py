@@ -436,3 +436,29 @@ def string_value(rules: list[str], sch: Any, bounded) -> str:
     if rule not in rules:
         rules.append(rule)
     return name
+
+
+def rename_rule(lark: str, old: str, new: str) -> str:
+    """`old` renamed `new` wherever it is a name in Lark text: not inside "strings" or /regexes/
+    or after a % directive."""
+    out, i, n = [], 0, len(lark)
+    while i < n:
+        c = lark[i]
+        if c in "\"/" or (c == "%" and (i == 0 or lark[i - 1] == "\n")):
+            end = "\n" if c == "%" else c
+            j = i + 1
+            while j < n and lark[j] != end:
+                j += 2 if lark[j] == "\\" and c != "%" else 1
+            out.append(lark[i:j + 1])
+            i = j + 1
+        elif c.isalpha() or c == "_":
+            j = i
+            while j < n and (lark[j].isalnum() or lark[j] == "_"):
+                j += 1
+            word = lark[i:j]
+            out.append(new if word == old else word)
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)

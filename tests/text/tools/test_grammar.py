@@ -223,10 +223,10 @@ def test_gbnf_think_prefix_and_refusals(smollm2_factory, driver):
 
 
 def test_rename_rule_leaves_literals_alone():
-    from pantheon.text.tools.grammar import _rename_rule
+    from pantheon.text.tools.rules import rename_rule
 
     lark = '%llguidance {"start": 1}\nstart: "start" /start\\/x/ start_b | start\nstart_b: "a\\"start"\n'
-    assert _rename_rule(lark, "start", "r") == \
+    assert rename_rule(lark, "start", "r") == \
         '%llguidance {"start": 1}\nr: "start" /start\\/x/ start_b | r\nstart_b: "a\\"start"\n'
 
 
