@@ -1,4 +1,4 @@
-"""llama.cpp-exact tokenizer for GGUF vocabularies, built on HF `tokenizers`.
+"""llama.cpp-exact tokenizer for GGUF vocabularies.
 
 What runs where:
 
@@ -7,17 +7,16 @@ What runs where:
   with the CONTROL, USER_DEFINED or UNKNOWN attribute, processed longest text first, each one
   cut out of every remaining raw-text fragment. CONTROL/UNKNOWN tokens only take part with
   `parse_special=True`; USER_DEFINED tokens always do (as in llama.cpp and HF).
-* Raw-text fragments go to an HF `tokenizers.Tokenizer` that has no added tokens at all:
-  - byte-level BPE (`tokenizer.ggml.model == "gpt2"`): `Split(regex, "isolated")` for each of
-    llama.cpp's regexes for `tokenizer.ggml.pre` (applied in sequence, unmatched spans kept as
-    their own pieces, like `unicode_regex_split`), then `ByteLevel(use_regex=False)`, then
-    `BPE(vocab, merges, ignore_merges=...)`. GGUF byte-level vocabularies are already in GPT-2
-    `bytes_to_unicode` form, so tokens and merges go in unchanged.
-  - SentencePiece (`tokenizer.ggml.model == "llama"`): `BPE` whose merges are derived from the
-    scores (every split (l, r) of a token whose halves are both tokens, ranked by the merged
-    token's score), `byte_fallback=True`; normalizer `Prepend("▁")` (when add_space_prefix) and
-    `Replace(" ", "▁")`. The normalizer runs per fragment, which is llama.cpp's rule: a space is
-    prefixed to every raw fragment that starts the text or follows a special token.
+* Raw-text fragments:
+  - byte-level BPE (`tokenizer.ggml.model == "gpt2"`) go to an HF `tokenizers.Tokenizer` with no
+    added tokens: `Split(regex, "isolated")` for each of llama.cpp's regexes for
+    `tokenizer.ggml.pre` (applied in sequence, unmatched spans kept as their own pieces, like
+    `unicode_regex_split`), then `ByteLevel(use_regex=False)`, then `BPE(vocab, merges,
+    ignore_merges=...)`. GGUF byte-level vocabularies are already in GPT-2 `bytes_to_unicode`
+    form, so tokens and merges go in unchanged.
+  - SentencePiece (`tokenizer.ggml.model == "llama"`) run llama.cpp's own score-ordered merging
+    (`text/spm.py`) after its escaping: "▁" prefixed (when add_space_prefix) to every raw
+    fragment, each of which starts the text or follows a special token, and spaces made "▁".
 * Decoding never goes through HF: a per-id byte table reproduces llama.cpp's `token_to_piece`
   and `llama_detokenize` (leading-space strip for SPM, `clean_spaces` passes for the pre-types
   where llama.cpp enables them).
@@ -35,10 +34,11 @@ from typing import Any
 
 from tokenizers import Regex
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, normalizers, pre_tokenizers
+from tokenizers import models, pre_tokenizers
 
 from pantheon.gguf.reader import shown
 from pantheon.text.pretokenizers import PRE_TOKENIZERS, PreTokenizerSpec
+from pantheon.text.spm import SentencePiece
 from pantheon.text.token_bytes import byte_level_decode, parse_byte_token
 from pantheon.text.token_bytes import clean_spaces as clean_space_passes
 
@@ -253,12 +253,16 @@ class Tokenizer:
         self._pieces_nospecial = [b"" if attrs[i] & (ATTR_UNKNOWN | ATTR_CONTROL) else p
                                   for i, p in enumerate(pieces)]
 
-        # -- the HF tokenizer for raw-text fragments ------------------------------------------------
-        self._hf = self._build_spm(texts, scores) if self.is_spm else \
-            self._build_bpe(texts, token_to_id, meta.get("tokenizer.ggml.merges"), spec)
+        # -- raw-text fragments: llama.cpp's SentencePiece session, or an HF byte-level BPE ----------
+        if self.is_spm:
+            self._spm = SentencePiece(token_to_id, scores, special.get("unk"))
+            self._hf = None
+        else:
+            self._spm = None
+            self._hf = self._build_bpe(token_to_id, meta.get("tokenizer.ggml.merges"), spec)
 
     # ---- builders ----------------------------------------------------------------------------
-    def _build_bpe(self, texts, token_to_id, merges_raw, spec: PreTokenizerSpec) -> HFTokenizer:
+    def _build_bpe(self, token_to_id, merges_raw, spec: PreTokenizerSpec) -> HFTokenizer:
         if not merges_raw:
             raise ValueError("byte-level BPE GGUF has no tokenizer.ggml.merges")
         merges, seen = [], set()
@@ -278,28 +282,6 @@ class Tokenizer:
         tk.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=False)])
-        return tk
-
-    def _build_spm(self, texts, scores) -> HFTokenizer:
-        token_to_id = self._token_to_id
-        score = (lambda i: 0.0) if scores is None else (lambda i: float(scores[i]))
-        ranked = []
-        for i, t in enumerate(texts):
-            if len(t) < 2:
-                continue
-            s = score(i)
-            for k in range(1, len(t)):
-                a, b = t[:k], t[k:]
-                if a in token_to_id and b in token_to_id:
-                    ranked.append((-s, i, k, a, b))
-        ranked.sort(key=lambda r: (r[0], r[1], r[2]))
-        merges = [(a, b) for (_, _, _, a, b) in ranked]
-        unk = self._special.get("unk")
-        bpe = models.BPE(vocab=dict(token_to_id), merges=merges, byte_fallback=True, fuse_unk=True,
-                         unk_token=texts[unk] if unk is not None else None)
-        tk = HFTokenizer(bpe)
-        norm = [normalizers.Prepend("▁")] if self.add_space_prefix else []
-        tk.normalizer = normalizers.Sequence(norm + [normalizers.Replace(" ", "▁")])
         return tk
 
     @classmethod
@@ -418,12 +400,14 @@ class Tokenizer:
                 raise ValueError("add_bos requested but the vocabulary has no BOS token")
             out.append(self.bos_id)
         if text:
-            hf_encode = self._hf.encode
+            spm, prefix = self._spm, "▁" if self.add_space_prefix else ""
             for f in self._partition(text, parse_special):
                 if isinstance(f, int):
                     out.append(f)
+                elif spm is not None:  # a raw fragment starts the text or follows a special token
+                    spm.tokenize((prefix + f).replace(" ", "▁"), out)
                 else:
-                    out.extend(hf_encode(f, add_special_tokens=False).ids)
+                    out.extend(self._hf.encode(f, add_special_tokens=False).ids)
         if add_eos:
             if self.eos_id is None:
                 raise ValueError("add_eos requested but the vocabulary has no EOS token")
