@@ -23,6 +23,8 @@ class GenerationRequest:
     dialect: object = None  # a tools Dialect: parse tool calls out of the content
     tools: list | None = None  # the request's tool definitions (for typed argument parsing)
     grammar: object = None  # a tools Grammar constraining every choice (tool call or JSON)
+    progress: bool = False  # report the prompt's prefill as it goes (PromptProgress events)
+    timed: bool = False  # every Delta carries the request's timings so far
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -33,6 +35,32 @@ class TokenInfo:
     top: list[tuple[int, float]]  # its likeliest tokens and their log-probabilities
     prob: float = 0.0  # under the sampler's distribution (after bias, penalties, temperature, top-k/p)
     post: list[tuple[int, float]] = field(default_factory=list)  # the sampler's likeliest and their probabilities
+
+
+@dataclass
+class Timings:
+    """A request's counts and device seconds so far (llama-server's `timings`): prompt tokens found
+    cached and computed, tokens generated, and the decode steps that generated them (the first
+    token comes from the prompt's last chunk)."""
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_s: float = 0.0
+    predicted_n: int = 0
+    predicted_s: float = 0.0
+    decode_steps: int = 0
+
+
+@dataclass
+class PromptProgress:
+    """How far the prompt's prefill has come (llama-server's `return_progress`): `processed` of its
+    `total` tokens are in the cache, `cache` of them found there; `elapsed_s` since admission."""
+
+    total: int
+    cache: int
+    processed: int
+    elapsed_s: float
+    timings: Timings
 
 
 @dataclass
@@ -49,6 +77,7 @@ class Delta:
     content: str = ""
     tokens: list[TokenInfo] = field(default_factory=list)  # tokens since the previous delta (logprobs)
     tool_calls: list[dict] = field(default_factory=list)  # streaming delta.tool_calls[] entries
+    timings: Timings | None = None  # with GenerationRequest.timed
 
 
 @dataclass

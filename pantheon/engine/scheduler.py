@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError, failure_message
+from pantheon.engine.events import Admitted, ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError, failure_message
 from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
@@ -183,9 +183,15 @@ class Scheduler:
         if plan.prefill is not None:
             plan.prefill.state.prefill_chunks += 1
             plan.prefill.state.prefill_s += dt
+        # A row with no token yet carries its prompt's last token (_start): prompt time, as
+        # llama-server counts it (the first token never costs a decode step).
+        prompt_rows = {id(s.state) for s in plan.decode if s.n == 0}
         for st in {id(s.state): s.state for s in plan.decode}.values():
-            st.decode_steps += 1
-            st.decode_s += dt
+            if id(st) in prompt_rows:
+                st.prefill_s += dt
+            else:
+                st.decode_steps += 1
+                st.decode_s += dt
         self.postprocess(plan, out)
         return True
 
@@ -333,8 +339,10 @@ class Scheduler:
         if seq.index == 0:
             st.cached = cached
         if not st.admitted:
-            st.admitted = True
+            st.admitted, st.admitted_at = True, time.perf_counter()
             st.emit(Admitted(cached))
+        if seq.index == 0:
+            self._progress(seq, cached)
 
     # ---- postprocess ------------------------------------------------------------------------------------
     def postprocess(self, plan: Plan, out: StepOutput) -> None:
@@ -343,9 +351,13 @@ class Scheduler:
         if seq is not None:
             seq.prefill_at += len(plan.chunk)
             seq.history.extend(plan.chunk)
+            if seq.index == 0:
+                self._progress(seq, seq.prefill_at)
             if out.prefill is not None:
                 self._accept(seq, out.prefill, 0, policy)
         for s in plan.decode:
+            if s.n == 0 and s.index == 0:  # its prompt's last token went in as a decode row (_start)
+                self._progress(s, len(s.request.prompt_ids))
             s.history.append(s.last)
             s.last = None
         for i, s in enumerate(plan.decode):
@@ -402,9 +414,17 @@ class Scheduler:
             self._fail(st, RequestError(failure.type, failure.message))
 
     # ---- events -----------------------------------------------------------------------------------------
+    def _progress(self, seq: Sequence, processed: int) -> None:
+        st = seq.state
+        if st.request.progress:
+            st.emit(PromptProgress(len(st.request.prompt_ids), st.cached, processed,
+                                   time.perf_counter() - st.admitted_at, st.timings(processed - st.cached, 0)))
+
     def _emit(self, seq: Sequence, delta) -> None:
         if (delta is not None and delta) or seq.pending:
-            seq.state.emit(Delta(seq.index, delta.reasoning, delta.content, seq.pending, delta.tool_calls))
+            st = seq.state
+            timings = st.timings(len(st.request.prompt_ids) - st.cached, seq.n) if st.request.timed else None
+            st.emit(Delta(seq.index, delta.reasoning, delta.content, seq.pending, delta.tool_calls, timings))
             seq.pending = []
 
     def _finish(self, seq: Sequence, reason: str | None, delta=None) -> None:

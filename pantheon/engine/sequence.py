@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pantheon.engine.events import GenerationRequest, TokenInfo
+from pantheon.engine.events import GenerationRequest, Timings, TokenInfo
 from pantheon.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
 from pantheon.engine.sessions import Slot
 from pantheon.text.pipeline import ChoiceText, TextDelta
@@ -48,6 +48,12 @@ class RequestState:
     decode_steps: int = 0
     decode_s: float = 0.0
     text_s: float = 0.0
+
+    admitted_at: float = 0.0  # time.perf_counter() when it got its slot
+
+    def timings(self, prompt_n: int, predicted_n: int) -> Timings:
+        """llama-server's counts so far: `prompt_n` prompt tokens computed, `predicted_n` generated."""
+        return Timings(self.cached, prompt_n, self.prefill_s, predicted_n, self.decode_s, self.decode_steps)
 
     def timing(self) -> dict:
         ms = lambda s: round(s * 1e3, 2)  # noqa: E731

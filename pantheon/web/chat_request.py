@@ -43,6 +43,8 @@ class ChatRequest:
     tools: list | None = None
     tool_choice: Any = "auto"
     session_id: str | None = None
+    return_progress: bool = False  # llama-server's: stream the prompt's prefill progress
+    timings_per_token: bool = False  # llama-server's: timings on every streamed chunk
     # A raw completion (POST /v1/completions): the prompt as text or token ids, no chat template;
     # with a suffix, a fill-in-the-middle prompt. add_special: BOS as the model says.
     prompt: str | list[int] | None = None
@@ -365,4 +367,6 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
         enable_thinking=thinking,
         reasoning_budget=budget,
         session_id=_session_id(body, session_header),
+        return_progress=body.get("return_progress") is True,
+        timings_per_token=body.get("timings_per_token") is True,
     )

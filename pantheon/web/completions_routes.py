@@ -11,11 +11,11 @@ from dataclasses import replace
 from quart import Blueprint
 
 from pantheon.engine.chat import plan_chat
-from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import MAX_N, ChatRequest, _number, prompt_list, sampling_fields
 from pantheon.web.errors import error_body, invalid, json_body
-from pantheon.web.generation import collect, plan_and_submit, system_fingerprint
+from pantheon.web.generation import collect, plan_and_submit, progress_fields, system_fingerprint, timings_json
 
 bp = Blueprint("completions", __name__)
 
@@ -123,9 +123,9 @@ async def completions():
 
 async def _stream(submitted, opts: dict, meta: dict, include_usage: bool):
     """Each prompt's choices in turn (later prompts decode meanwhile; their events wait)."""
-    def chunk(index: int, text: str, finish=None, logprobs=None) -> bytes:
+    def chunk(index: int, text: str, finish=None, logprobs=None, top=None) -> bytes:
         return sse.event({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                               "finish_reason": finish}]})
+                                               "finish_reason": finish}], **(top or {})})
 
     ends = []
     try:
@@ -137,12 +137,15 @@ async def _stream(submitted, opts: dict, meta: dict, include_usage: bool):
                 offsets = [len(prefix)] * req.n
                 yield b"".join(chunk(base + j, prefix) for j in range(req.n))
             async for ev in events:
-                if isinstance(ev, Delta) and (ev.content or ev.tokens):
+                if isinstance(ev, PromptProgress):
+                    yield chunk(base, "", top=progress_fields(ev, req))
+                elif isinstance(ev, Delta) and (ev.content or ev.tokens):
                     lp = None
                     if opts["logprobs"] is not None:
                         lp = _legacy_logprobs(engine, ev.tokens, offsets[ev.index])
                     offsets[ev.index] += len(ev.content)
-                    yield chunk(base + ev.index, ev.content, logprobs=lp)
+                    top = {"timings": timings_json(ev.timings)} if ev.timings is not None else None
+                    yield chunk(base + ev.index, ev.content, logprobs=lp, top=top)
                 elif isinstance(ev, ChoiceEnd):
                     yield chunk(base + ev.index, "", finish=ev.finish_reason)
                 elif isinstance(ev, RequestEnd):

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from quart import current_app
 
 from pantheon.engine.chat import ChatPlan, PlanError, PromptOverBudget
-from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, RequestError, failure_message
+from pantheon.engine.events import (Admitted, ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError, Timings,
+                                    failure_message)
 from pantheon.engine.scheduler import BusyError, MemoryConstrained
 from pantheon.web.errors import ApiError, invalid, status_of
 from pantheon.web.observe import current_record, mark, note, observe_events
@@ -39,14 +40,32 @@ def timings(end: RequestEnd) -> dict:
     """llama-server's `timings` of a finished request: the prompt tokens computed (not cached) and
     the tokens generated, each with its milliseconds and rates."""
     timing = end.timing or {}
-    prompt_n = end.prompt_tokens - end.cached_tokens
-    prompt_ms, predicted_ms = timing.get("prefill_ms", 0.0), timing.get("decode_step_ms", 0.0)
-    return {"cache_n": end.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / max(prompt_n, 1),
-            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
-            "predicted_n": end.completion_tokens, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / max(end.completion_tokens, 1),
-            "predicted_per_second": 1e3 * end.completion_tokens / predicted_ms if predicted_ms else 0.0}
+    return timings_json(Timings(end.cached_tokens, end.prompt_tokens - end.cached_tokens,
+                                timing.get("prefill_ms", 0.0) / 1e3, end.completion_tokens,
+                                timing.get("decode_step_ms", 0.0) / 1e3, timing.get("decode_steps", 0)))
+
+
+def timings_json(t: Timings) -> dict:
+    """llama-server's `timings` object. The generation rate is over the decode steps: the first
+    token comes from the prompt's last chunk and costs none."""
+    prompt_ms, predicted_ms = round(t.prompt_s * 1e3, 3), round(t.predicted_s * 1e3, 3)
+    return {"cache_n": t.cache_n, "prompt_n": t.prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / t.prompt_n if t.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * t.prompt_n / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": t.predicted_n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / t.decode_steps if t.decode_steps else 0.0,
+            "predicted_per_second": 1e3 * t.decode_steps / predicted_ms if predicted_ms and t.decode_steps else 0.0}
+
+
+def progress_fields(ev: PromptProgress, chat) -> dict:
+    """A streamed chunk's llama-server fields for a PromptProgress event (`return_progress`):
+    `prompt_progress`, and `timings` so far with `timings_per_token`."""
+    fields = {"prompt_progress": {"total": ev.total, "cache": ev.cache, "processed": ev.processed,
+                                  "time_ms": int(ev.elapsed_s * 1e3)}}
+    if chat.timings_per_token:
+        fields["timings"] = timings_json(ev.timings)
+    return fields
+
 
 async def plan_and_submit(chat, plan_fn):
     """Resolve `chat.model`, plan the request off the event loop with `plan_fn(engine, chat, window)`,

@@ -14,11 +14,11 @@ import math
 from quart import Blueprint, Response, current_app
 
 from pantheon.engine.chat import infill_ids, missing_fim_tokens, mixed_prompt_ids, plan_chat
-from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, is_token_id, llama_prompts, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body, status_of
-from pantheon.web.generation import collect_one, plan_and_submit, timings
+from pantheon.web.generation import collect_one, plan_and_submit, progress_fields, timings, timings_json
 
 bp = Blueprint("native", __name__)
 
@@ -67,7 +67,8 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
         "stream": body.get("stream", False), "seed": None if seed in (None, -1) else seed,
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
         "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20), "grammar": body.get("grammar"),
-        "json_schema": body.get("json_schema"), "response_format": body.get("response_format")})
+        "json_schema": body.get("json_schema"), "response_format": body.get("response_format"),
+        "return_progress": body.get("return_progress"), "timings_per_token": body.get("timings_per_token")})
     return ChatRequest(messages=[], prompt=mixed_prompt_ids(engine.tokenizer, prompt), **fields)
 
 
@@ -217,12 +218,17 @@ async def _stream(engine, chat: ChatRequest, body: dict, events):
     n_probs, produced, choice_end = int(body.get("n_probs", 0) or 0), 0, None
     try:
         async for ev in events:
-            if isinstance(ev, Delta) and (ev.content or ev.tokens):
+            if isinstance(ev, PromptProgress):
+                yield sse.event({"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": 0,
+                                 "tokens_predicted": 0, "tokens_evaluated": ev.total, **progress_fields(ev, chat)})
+            elif isinstance(ev, Delta) and (ev.content or ev.tokens):
                 produced += len(ev.tokens)
                 part = {"index": 0, "content": ev.content, "tokens": [t.token for t in ev.tokens], "stop": False,
                         "id_slot": 0, "tokens_predicted": produced, "tokens_evaluated": len(chat.prompt)}
                 if n_probs:
                     part["completion_probabilities"] = _probs(engine, ev.tokens, body)
+                if ev.timings is not None:
+                    part["timings"] = timings_json(ev.timings)
                 yield sse.event(part)
             elif isinstance(ev, ChoiceEnd):
                 choice_end = ev

@@ -8,11 +8,12 @@ import uuid
 from quart import Blueprint, current_app, request
 
 from pantheon.engine.chat import ChatPlan, plan_chat
-from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
 from pantheon.web.errors import error_body, json_body
-from pantheon.web.generation import collect, plan_and_submit, response_format_status, system_fingerprint, timings
+from pantheon.web.generation import (collect, plan_and_submit, progress_fields, response_format_status, system_fingerprint,
+                                     timings, timings_json)
 from pantheon.web.rows import public_row
 
 bp = Blueprint("openai", __name__)
@@ -109,12 +110,12 @@ class ChunkStream:
         self.held: dict[int, list[bytes]] = {i: [self.chunk(i, {"role": "assistant"})] for i in range(chat.n)}
         self.current, self.ended = 0, set()  # the choice streaming now; the choices that ended
 
-    def chunk(self, index: int, delta: dict, finish=None, logprobs=None, extra=None) -> bytes:
+    def chunk(self, index: int, delta: dict, finish=None, logprobs=None, extra=None, top=None) -> bytes:
         chat = self.chat
         choice = {"index": index, "delta": delta, "finish_reason": finish, **(extra or {})}
         if logprobs is not None:
             choice["logprobs"] = {"content": logprobs}
-        body = {**self.meta, "object": "chat.completion.chunk", "choices": [choice]}
+        body = {**self.meta, "object": "chat.completion.chunk", "choices": [choice], **(top or {})}
         if finish is not None:
             if chat.n_status:
                 body["n_status"] = chat.n_status
@@ -130,14 +131,19 @@ class ChunkStream:
             extra = {"tool_call_error": ev.tool_call_error} if ev.tool_call_error else None
             return self.chunk(ev.index, {}, finish=ev.finish_reason, extra=extra)
         lp = _logprobs(self.engine, ev.tokens) if self.chat.logprobs else None
+        top = {"timings": timings_json(ev.timings)} if ev.timings is not None else None
         out = b""
         if ev.reasoning:
-            out += self.chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp)
+            out += self.chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp, top=top)
         if ev.content or (lp and not ev.reasoning):
-            out += self.chunk(ev.index, {"content": ev.content}, logprobs=lp)
+            out += self.chunk(ev.index, {"content": ev.content}, logprobs=lp, top=top)
         for entry in ev.tool_calls:  # the opening chunk, then argument chunks, one per event
-            out += self.chunk(ev.index, {"tool_calls": [entry]})
+            out += self.chunk(ev.index, {"tool_calls": [entry]}, top=top)
         return out
+
+    def progress(self, ev: PromptProgress) -> bytes:
+        """llama-server's prompt progress chunk: the role, no content, and the counts."""
+        return self.chunk(0, {"role": "assistant", "content": None}, top=progress_fields(ev, self.chat))
 
     def add(self, ev: Delta | ChoiceEnd) -> bytes | None:
         """Hold ev's chunks; what may go out now (None: ev's choice is not streaming yet)."""
@@ -180,7 +186,9 @@ async def _stream(chat: ChatRequest, plan: ChatPlan, meta: dict, events, engine)
     stream = ChunkStream(chat, plan, meta, engine)
     try:
         async for ev in events:
-            if isinstance(ev, (Delta, ChoiceEnd)):
+            if isinstance(ev, PromptProgress):
+                yield stream.progress(ev)
+            elif isinstance(ev, (Delta, ChoiceEnd)):
                 out = stream.add(ev)
                 if out is not None:
                     yield out

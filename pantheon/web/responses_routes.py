@@ -17,11 +17,12 @@ import uuid
 from quart import Blueprint, current_app, request
 
 from pantheon.engine.chat import plan_chat
-from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
+from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError
 from pantheon.web.chat_request import ChatRequest, function_tools, joined_text, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body
 from pantheon.web import sse
-from pantheon.web.generation import Choice, collect_one, merge_tool_deltas, plan_and_submit, response_format_status
+from pantheon.web.generation import (Choice, collect_one, merge_tool_deltas, plan_and_submit, progress_fields,
+                                     response_format_status, timings, timings_json)
 from pantheon.web.response_store import Kept, ResponseStore
 
 bp = Blueprint("responses", __name__)
@@ -143,7 +144,8 @@ def parse_responses_request(body) -> tuple[ChatRequest, dict]:
         "stream": body.get("stream", False), "response_format": _response_format(body.get("text")),
         "enable_thinking": None if effort is None else effort not in ("none", "minimal"),
         "prompt_cache_key": body.get("prompt_cache_key"), "seed": body.get("seed"),
-        "stop": body.get("stop")}, request.headers.get("X-Session-Id"))
+        "stop": body.get("stop"), "return_progress": body.get("return_progress"),
+        "timings_per_token": body.get("timings_per_token")}, request.headers.get("X-Session-Id"))
     if fields["session_id"] is None and prior is not None:  # a continued chain resumes its own KV
         fields["session_id"] = prior.session_id or f"response:{previous}"
     keep = body.get("store", True)
@@ -269,9 +271,12 @@ class ResponseEvents:
         self.choice = Choice(0)  # the whole answer, for the kept conversation
         self.current: dict | None = None  # the open item: {"kind", "item", "text"}
         self.pending = ""  # whitespace before any item: a message only if no tool call follows
+        self.timings: dict | None = None  # llama-server's timings_per_token: on each delta event
 
     def event(self, kind: str, **payload) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **payload}
+        if self.timings is not None and kind.endswith(".delta"):
+            data["timings"] = self.timings
         self.seq += 1
         return sse.event(data, kind)
 
@@ -363,7 +368,11 @@ async def _stream(kept: ResponseStore, meta: dict, chat: ChatRequest, ctx: dict,
     yield s.event("response.created", response=head) + s.event("response.in_progress", response=head)
     try:
         async for ev in events:
-            if isinstance(ev, Delta):
+            if isinstance(ev, PromptProgress):  # llama-server's return_progress
+                yield s.event("response.in_progress", response=head, **progress_fields(ev, chat))
+            elif isinstance(ev, Delta):
+                if ev.timings is not None:
+                    s.timings = timings_json(ev.timings)
                 out = s.delta(ev)
                 if out:
                     yield out
@@ -374,7 +383,8 @@ async def _stream(kept: ResponseStore, meta: dict, chat: ChatRequest, ctx: dict,
                 status = "incomplete" if s.choice.finish_reason == "length" else "completed"
                 final = _response(meta, ctx["echo"], status, s.output, _usage(ev, _reasoning_tokens(engine, s.choice)))
                 _keep(kept, meta, chat, ctx, s.choice, final)
-                yield out + s.event(f"response.{status}", response=final)
+                s.timings = None
+                yield out + s.event(f"response.{status}", response=final, timings=timings(ev))  # llama-server's
             elif isinstance(ev, RequestError):
                 error = {"code": ev.type, "message": ev.message}
                 failed = _response(meta, ctx["echo"], "failed", s.output, error=error)
