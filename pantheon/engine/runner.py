@@ -325,6 +325,11 @@ class ModelRunner:
         return key, args, dict(self._step_static(), want_top=want_top)
 
     @_mirrored
+    def sync(self) -> None:
+        """Wait until every dispatched step has written the cache (JAX dispatches asynchronously:
+        a prefill chunk with nothing sampled after it returns before it is computed)."""
+        jax.block_until_ready(self.cache)
+
     def run(self, work: StepWork) -> StepOutput:
         """Execute one scheduler step: the prefill chunk, then the decode rows, each followed by
         its sampling call. Any exception leaves `self.cache` holding every live buffer (the

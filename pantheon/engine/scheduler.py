@@ -172,6 +172,8 @@ class Scheduler:
         try:
             with TraceAnnotation("step", prefill=len(plan.chunk), decode=len(plan.decode)):
                 out = self.runner.run(plan.work)
+                if plan.prefill is not None and plan.prefill.request.progress and out.prefill is None:
+                    self.runner.sync()  # a progress report says what is computed, not dispatched
         except Exception as e:  # noqa: BLE001 - a failed step fails its own requests, never the thread
             self._step_failed(plan, e)
             return True
