@@ -78,7 +78,8 @@ def _sampling(chat, index: int) -> SamplingParams:
         temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k,
         seed=None if chat.seed is None else chat.seed + index,
         presence_penalty=chat.presence_penalty, frequency_penalty=chat.frequency_penalty,
-        logit_bias=chat.logit_bias, logprobs=chat.logprobs, top_logprobs=chat.top_logprobs if chat.logprobs else 0)
+        logit_bias=chat.logit_bias, logprobs=chat.logprobs, top_logprobs=chat.top_logprobs if chat.logprobs else 0,
+        min_p=chat.min_p, repetition_penalty=chat.repetition_penalty)
 
 
 def tool_choice_required_with_thinking(engine) -> bool:

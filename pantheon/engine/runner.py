@@ -393,10 +393,15 @@ class ModelRunner:
 
     # ---- sampling --------------------------------------------------------------------------------
     @_mirrored
-    def start_sampling(self, slot: int, params: SamplingParams) -> SlotSampling:
+    def start_sampling(self, slot: int, params: SamplingParams, prompt: list[int] = ()) -> SlotSampling:
+        """A request's sampling in `slot`: its bias, and the prompt's tokens for a repetition penalty."""
         params = params.sanitized(self.spec.n_vocab)
         ids, vals = bias_arrays(params, self.spec.n_vocab)
-        self.sampler_state = reset_slot(self.sampler_state, np.int32(slot), ids, vals)
+        seen = np.zeros(self.spec.n_vocab, np.bool_)
+        if params.repetition_penalty != 1 and len(prompt):
+            at = np.asarray(prompt, np.int64)
+            seen[at[(at >= 0) & (at < self.spec.n_vocab)]] = True
+        self.sampler_state = reset_slot(self.sampler_state, np.int32(slot), ids, vals, seen)
         return SlotSampling(params, prng_key_for(params.seed))
 
     def sample(self, logits: jax.Array, slots: list[int], sampling: list[SlotSampling],
@@ -423,7 +428,8 @@ class ModelRunner:
         n = len(slots)
         rows = np.full(b, self.scratch, np.int32)
         rows[:n] = slots
-        temp, top_p, presence, frequency = (np.zeros(b, np.float32) for _ in range(4))
+        temp, top_p, min_p, presence, frequency = (np.zeros(b, np.float32) for _ in range(5))
+        repetition = np.ones(b, np.float32)
         top_k, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
         keys = np.zeros((b, 2), np.uint32)
         force = np.full(b, -1, np.int32)
@@ -431,8 +437,8 @@ class ModelRunner:
             force[:len(forced)] = forced
         for i, s in enumerate(sampling):
             p = s.params
-            temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+            temp[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
+            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             keys[i], steps[i] = s.key, s.step
             if advance:
                 s.step += 1
@@ -441,4 +447,5 @@ class ModelRunner:
         if mask is not None:
             full = np.full((b, mask.shape[1]), -1, np.int32)
             full[:n] = mask
-        return SamplingBatch(rows, temp, top_k, top_p, presence, frequency, keys, steps, force, full), want_top
+        return (SamplingBatch(rows, temp, top_k, top_p, min_p, presence, frequency, repetition, keys, steps, force, full),
+                want_top)

@@ -1,8 +1,9 @@
 """Token sampling on the device, for every batch row in one jitted call.
 
 Per-row parameters arrive as arrays, so one compiled function serves any mix of greedy and
-sampled requests. Per-slot state (generated-token counts for the penalties, the dense logit-bias
-row) lives on the device beside the KV cache and is indexed by slot."""
+sampled requests. Per-slot state (generated-token counts for the penalties, the prompt's tokens for
+the repetition penalty, the dense logit-bias row) lives on the device beside the KV cache and is
+indexed by slot."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 1e4  # past this every distribution is already uniform in float32
+REPETITION_RANGE = (0.01, 10.0)  # a repetition penalty is clamped here (1: off)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int = 0  # alternatives per token; clamped to [0, 20]
     logprobs: bool = False
+    min_p: float = 0.0  # drop candidates less likely than min_p x the likeliest (0: off)
+    # a prompt or generated token's logit divided by this when positive, multiplied when not (1: off)
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +55,8 @@ class SamplingParams:
                        presence_penalty=num(self.presence_penalty, -2.0, 2.0, 0.0),
                        frequency_penalty=num(self.frequency_penalty, -2.0, 2.0, 0.0),
                        top_logprobs=int(num(self.top_logprobs, 0, MAX_TOP_LOGPROBS, 0)),
+                       min_p=num(self.min_p, 0.0, 1.0, 0.0),
+                       repetition_penalty=num(self.repetition_penalty, *REPETITION_RANGE, 1.0),
                        logit_bias=tuple((int(i), num(b, -100.0, 100.0, 0.0)) for i, b in self.logit_bias
                                         if isinstance(i, int) and 0 <= i < n_vocab))
 
@@ -65,17 +72,20 @@ def prng_key_for(seed: int | None) -> np.ndarray:
 class SamplerState:
     counts: jax.Array  # int32 [slots + 1, V]: tokens generated so far per slot (penalties)
     bias: jax.Array  # float32 [slots + 1, V]: the request's logit_bias as a dense row
+    prompt: jax.Array  # bool [slots + 1, V]: the request's prompt tokens (the repetition penalty)
 
 
 def allocate_sampler_state(n_slots: int, n_vocab: int) -> SamplerState:
-    return SamplerState(jnp.zeros((n_slots + 1, n_vocab), jnp.int32), jnp.zeros((n_slots + 1, n_vocab), jnp.float32))
+    return SamplerState(jnp.zeros((n_slots + 1, n_vocab), jnp.int32), jnp.zeros((n_slots + 1, n_vocab), jnp.float32),
+                        jnp.zeros((n_slots + 1, n_vocab), jnp.bool_))
 
 
 @partial(jax.jit, donate_argnames=("state",))
-def reset_slot(state: SamplerState, slot, bias_ids, bias_values) -> SamplerState:
-    """Start a new request in `slot`: zero its counts, install its logit bias (padded id entries = -1)."""
+def reset_slot(state: SamplerState, slot, bias_ids, bias_values, prompt_row) -> SamplerState:
+    """Start a new request in `slot`: zero its counts, install its logit bias (padded id entries =
+    -1) and its prompt's tokens (bool [V], all false without a repetition penalty)."""
     row = jnp.zeros(state.bias.shape[1], jnp.float32).at[bias_ids].set(bias_values, mode="drop")
-    return SamplerState(state.counts.at[slot].set(0), state.bias.at[slot].set(row))
+    return SamplerState(state.counts.at[slot].set(0), state.bias.at[slot].set(row), state.prompt.at[slot].set(prompt_row))
 
 
 def bias_arrays(params: SamplingParams, n_vocab: int, width: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -152,7 +162,7 @@ def top_candidates(x, width: int):
     return vals, jnp.take_along_axis(ids, at, axis=-1)
 
 
-def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
+def _sample_sorted(scaled, top_k, top_p, min_p, row_keys, width: int):
     """temperature-scaled logits -> (sampled ids, the chosen one's probability among the kept
     candidates, the first MAX_TOP_LOGPROBS candidates' ids and probabilities), restricted to the
     `width` best candidates."""
@@ -162,6 +172,8 @@ def _sample_sorted(scaled, top_k, top_p, row_keys, width: int):
     probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = keep & (mass_before < top_p[:, None])  # the top token is always kept
+    # min-p: p / p_max >= min_p, i.e. a scaled logit within log(min_p) of the best (log 0 = -inf: all)
+    keep = keep & (vals >= vals[:, :1] + jnp.log(min_p)[:, None])
     noise = jax.vmap(lambda key: _rank_noise(key, width))(row_keys)
     choice = first_argmax(jnp.where(keep, vals + noise, -jnp.inf))  # Gumbel-max = categorical
     kept = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)  # what the choice was drawn from
@@ -179,8 +191,8 @@ def unpack_bitmask(mask, n_vocab: int):
 
 
 @partial(jax.tree_util.register_dataclass, meta_fields=(),
-         data_fields=("slots", "temperature", "top_k", "top_p", "presence", "frequency", "keys", "steps", "forced",
-                      "mask"))
+         data_fields=("slots", "temperature", "top_k", "top_p", "min_p", "presence", "frequency", "repetition", "keys",
+                      "steps", "forced", "mask"))
 @dataclass(frozen=True)
 class SamplingBatch:
     """One sampling call's per-row arguments, B rows (a pytree: one argument of the compiled
@@ -190,8 +202,10 @@ class SamplingBatch:
     temperature: Any  # f32 [B]
     top_k: Any  # int32 [B]
     top_p: Any  # f32 [B]
+    min_p: Any  # f32 [B]
     presence: Any  # f32 [B]
     frequency: Any  # f32 [B]
+    repetition: Any  # f32 [B]
     keys: Any  # uint32 [B, 2]: the rows' PRNG keys
     steps: Any  # int32 [B]: folded into the keys
     forced: Any  # int32 [B]: a token that replaces the row's choice when >= 0
@@ -202,8 +216,10 @@ class SamplingBatch:
 def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = False):
     """logits: f32 [B, V]; batch: the rows' parameters (SamplingBatch).
 
-    Order as in OpenAI/llama.cpp: logit bias and penalties, then greedy argmax or
-    temperature -> top-k -> top-p -> categorical. Logprobs are of the unmodified model distribution.
+    Order: logit bias, the repetition penalty (prompt and generated tokens, as vLLM and
+    transformers apply it), presence and frequency penalties (generated tokens, OpenAI's), then
+    greedy argmax or temperature -> top-k -> top-p -> min-p -> categorical. Logprobs are of the
+    unmodified model distribution.
     A batch that is all greedy skips sampling; one whose top_k all fit CANDIDATES skips the sort."""
     n_vocab = logits.shape[-1]
     b = batch
@@ -216,9 +232,12 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     # penalties only where a row has one: the counts' [B, V] gather and arithmetic are skipped
     def penalised():
         counts = state.counts[slots]
-        return x - b.presence[:, None] * (counts > 0) - b.frequency[:, None] * counts
+        r = b.repetition[:, None]
+        seen = (r != 1) & ((counts > 0) | state.prompt[slots])
+        y = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+        return y - b.presence[:, None] * (counts > 0) - b.frequency[:, None] * counts
 
-    x = jax.lax.cond(jnp.any((b.presence != 0) | (b.frequency != 0)), penalised, lambda: x)
+    x = jax.lax.cond(jnp.any((b.presence != 0) | (b.frequency != 0) | (b.repetition != 1)), penalised, lambda: x)
     if b.mask is not None:
         x = jnp.where(unpack_bitmask(b.mask, n_vocab), x, -jnp.inf)
     # the argmax over the vocabulary only where a row is greedy
@@ -234,8 +253,8 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     none_sampled = lambda: (greedy_ids, jnp.zeros(rows, jnp.float32),  # noqa: E731
                             jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_TOP_LOGPROBS)))
     sample_any = lambda: jax.lax.cond(  # noqa: E731
-        needs_full, lambda: _sample_sorted(scaled, top_k, top_p, row_keys, n_vocab),
-        lambda: _sample_sorted(scaled, top_k, top_p, row_keys, width))
+        needs_full, lambda: _sample_sorted(scaled, top_k, top_p, b.min_p, row_keys, n_vocab),
+        lambda: _sample_sorted(scaled, top_k, top_p, b.min_p, row_keys, width))
     sampled, sampled_prob, sampled_post_ids, sampled_post = jax.lax.cond(jnp.any(sampled_rows), sample_any,
                                                                          none_sampled)
     tokens = jnp.where(sampled_rows, sampled, greedy_ids).astype(jnp.int32)
@@ -258,6 +277,6 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
         top_lp = jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32)
         top_ids = jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32)
         post_ids, post_probs, post_prob = top_ids, top_lp, jnp.zeros(rows, jnp.float32)
-    new_state = SamplerState(state.counts.at[slots, tokens].add(1), state.bias)
+    new_state = SamplerState(state.counts.at[slots, tokens].add(1), state.bias, state.prompt)
     return SampleOutput(tokens, chosen_lp, top_ids.astype(jnp.int32), top_lp, post_prob, post_ids, post_probs), \
         new_state

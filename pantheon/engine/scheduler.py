@@ -326,7 +326,7 @@ class Scheduler:
             seq.prefill_at, seq.last = len(req.prompt_ids), req.prompt_ids[-1]
         seq.prefill_turn = self._steps  # arrivals queue behind prompts already waiting for a chunk
         self.runner.begin(slot.index, cached)
-        seq.sampling = self.runner.start_sampling(slot.index, seq.params)
+        seq.sampling = self.runner.start_sampling(slot.index, seq.params, req.prompt_ids)
         parser = None
         if req.dialect is not None:
             from pantheon.text.tools import ToolCallParser

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from pantheon.engine.sampler import MAX_TEMPERATURE
+from pantheon.engine.sampler import MAX_TEMPERATURE, REPETITION_RANGE
 from pantheon.web.errors import invalid
 
 MAX_TOKENS_DEFAULT, MAX_TOKENS_NONPOSITIVE, MAX_TOKENS_CAP = 1024, 512, 1048576
@@ -31,6 +31,8 @@ class ChatRequest:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0  # vLLM's and llama-server's: candidates under min_p x the likeliest dropped
+    repetition_penalty: float = 1.0  # vLLM's (llama-server's repeat_penalty)
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
@@ -358,6 +360,9 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
         seed=seed,
         presence_penalty=_clamp(_number(body, "presence_penalty", 0.0), -2.0, 2.0),
         frequency_penalty=_clamp(_number(body, "frequency_penalty", 0.0), -2.0, 2.0),
+        min_p=_clamp(_number(body, "min_p", 0.0), 0.0, 1.0),
+        repetition_penalty=_clamp(_number(body, "repetition_penalty", _number(body, "repeat_penalty", 1.0)),
+                                  *REPETITION_RANGE),
         logit_bias=_logit_bias(body.get("logit_bias")),
         logprobs=bool(body.get("logprobs", False)),
         top_logprobs=_clamp(_number(body, "top_logprobs", 0, int), 0, 20),

@@ -25,6 +25,7 @@ bp = Blueprint("native", __name__)
 MAX_PROMPTS = 16
 MAX_EXTRA_CHUNKS = 256  # /infill's input_extra files
 LLAMA_BATCH = 2048  # llama-server's default batch, which its infill prompt is fitted to
+MIN_P_DEFAULT = 0.05  # llama-server's default min-p on its own routes
 
 
 def _logit_bias(value, engine) -> dict:
@@ -66,7 +67,7 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
         "max_tokens": MAX_TOKENS_CAP if n_predict < 0 else max(n_predict, 1), "stop": body.get("stop"),
         "stream": body.get("stream", False), "seed": None if seed in (None, -1) else seed,
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
-        "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20), "grammar": body.get("grammar"),
+        "min_p": body.get("min_p", MIN_P_DEFAULT), "repeat_penalty": body.get("repeat_penalty"), "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20), "grammar": body.get("grammar"),
         "json_schema": body.get("json_schema"), "response_format": body.get("response_format"),
         "return_progress": body.get("return_progress"), "timings_per_token": body.get("timings_per_token")})
     return ChatRequest(messages=[], prompt=mixed_prompt_ids(engine.tokenizer, prompt), **fields)
@@ -77,9 +78,10 @@ def completion_defaults(engine) -> dict:
     -1 runs to the end of generation or the window, `seed` -1 is a fresh one."""
     chat = _request({}, engine, [])
     return {"seed": -1, "temperature": chat.temperature, "top_k": chat.top_k, "top_p": chat.top_p,
+            "min_p": chat.min_p, "repeat_penalty": chat.repetition_penalty,
             "presence_penalty": chat.presence_penalty, "frequency_penalty": chat.frequency_penalty,
             "n_predict": -1, "max_tokens": -1, "stream": chat.stream, "n_probs": 0, "ignore_eos": False,
-            "samplers": ["penalties", "top_k", "top_p", "temperature"]}
+            "samplers": ["penalties", "temperature", "top_k", "top_p", "min_p"]}
 
 
 def _probs(engine, tokens, body: dict) -> list[dict]:
@@ -111,7 +113,8 @@ def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, en
            "tokens_evaluated": req_end.prompt_tokens,
            "generation_settings": {"n_predict": -1 if chat.max_tokens == MAX_TOKENS_CAP else chat.max_tokens,
                                    "seed": chat.seed if chat.seed is not None else -1, "temperature": chat.temperature,
-                                   "top_k": chat.top_k, "top_p": chat.top_p, "stop": chat.stop, "stream": chat.stream,
+                                   "top_k": chat.top_k, "top_p": chat.top_p, "min_p": chat.min_p,
+                                   "repeat_penalty": chat.repetition_penalty, "stop": chat.stop, "stream": chat.stream,
                                    "n_probs": n_probs, "max_tokens": chat.max_tokens},
            "prompt": engine.tokenizer.decode(chat.prompt), "has_new_line": "\n" in content, "truncated": False,
            "stop_type": stop_type, "stopping_word": (end.stop_string or "") if end else "",

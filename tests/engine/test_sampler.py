@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,20 +15,27 @@ from pantheon.engine.sampler import (SamplingBatch, SamplingParams, allocate_sam
 V = 300
 
 
-def run(logits, params_list, state=None, steps=None, forced=None, want_top=False):
-    b = logits.shape[0]
-    state = state or allocate_sampler_state(b, V)
-    slots = np.arange(b, dtype=np.int32)
-    for i, p in enumerate(params_list):
-        ids, vals = bias_arrays(p, V)
-        state = reset_slot(state, np.int32(i), ids, vals)
-    f = lambda attr, dt: np.array([getattr(p, attr) for p in params_list], dt)
+def batch_of(params_list, steps=None, forced=None):
+    b = len(params_list)
+    f = lambda attr, dt: np.array([getattr(p, attr) for p in params_list], dt)  # noqa: E731
     keys = np.stack([prng_key_for(p.seed) for p in params_list])
-    batch = SamplingBatch(slots, f("temperature", np.float32), f("top_k", np.int32), f("top_p", np.float32),
-                          f("presence_penalty", np.float32), f("frequency_penalty", np.float32), keys,
-                          np.zeros(b, np.int32) if steps is None else steps,
-                          np.full(b, -1, np.int32) if forced is None else forced)
-    out, state = sample(logits, state, batch, want_top=want_top)
+    return SamplingBatch(np.arange(b, dtype=np.int32), f("temperature", np.float32), f("top_k", np.int32),
+                         f("top_p", np.float32), f("min_p", np.float32), f("presence_penalty", np.float32),
+                         f("frequency_penalty", np.float32), f("repetition_penalty", np.float32), keys,
+                         np.zeros(b, np.int32) if steps is None else steps,
+                         np.full(b, -1, np.int32) if forced is None else forced)
+
+
+def run(logits, params_list, state=None, steps=None, forced=None, want_top=False, prompts=None):
+    b = logits.shape[0]
+    if state is None:
+        state = allocate_sampler_state(b, V)
+        for i, p in enumerate(params_list):
+            ids, vals = bias_arrays(p, V)
+            seen = np.zeros(V, np.bool_)
+            seen[list(prompts[i]) if prompts else []] = True
+            state = reset_slot(state, np.int32(i), ids, vals, seen)
+    out, state = sample(logits, state, batch_of(params_list, steps, forced), want_top=want_top)
     return out, state
 
 
@@ -110,11 +119,56 @@ def test_logit_bias_and_penalties_change_the_choice():
     p = SamplingParams(temperature=0, presence_penalty=2.0)
     out, state = run(logits, [p])
     assert int(out.tokens[0]) == 10
-    out, _ = sample(logits, state, SamplingBatch(np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros(1, np.int32),
-                                                 np.ones(1, np.float32), np.full(1, 2.0, np.float32),
-                                                 np.zeros(1, np.float32), prng_key_for(0)[None], np.ones(1, np.int32),
-                                                 np.full(1, -1, np.int32)))
+    out, _ = run(logits, [p], state=state, steps=np.ones(1, np.int32))
     assert int(out.tokens[0]) == 11
+
+
+@pytest.mark.parametrize("min_p,temperature", [(0.05, 1.0), (0.3, 0.7), (0.0, 1.3)])
+def test_min_p_drops_candidates_under_min_p_times_the_likeliest(min_p, temperature):
+    """After temperature, top-k and top-p: p / p_max >= min_p, renormalised (numpy on fresh logits)."""
+    rng = np.random.default_rng()
+    logits = (rng.normal(size=(1, V)) * 2).astype(np.float32)
+    p = SamplingParams(temperature=temperature, top_k=60, top_p=0.98, min_p=min_p, seed=int(rng.integers(1 << 30)))
+    out, _ = run(logits, [p], want_top=True)
+    order = np.argsort(-logits[0], kind="stable")[:60]
+    z = logits[0, order].astype(np.float64) / temperature
+    q = np.exp(z - z.max())
+    q /= q.sum()
+    keep = ((np.cumsum(q) - q) < 0.98) & (q >= min_p * q.max() * (1 - 1e-6))
+    post = np.where(keep, q, 0.0) / q[keep].sum()
+    np.testing.assert_array_equal(np.asarray(out.post_ids)[0], order[:20])
+    np.testing.assert_allclose(np.asarray(out.post_probs)[0], post[:20], rtol=2e-5, atol=1e-7)
+    for seed in range(30):
+        token = int(run(logits, [replace(p, seed=seed)])[0].tokens[0])
+        assert token in set(order[keep].tolist())
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    """Prompt tokens and generated ones (vLLM's and transformers' rule), then presence/frequency;
+    the reported log-probability stays the model's."""
+    rng = np.random.default_rng()
+    logits = rng.normal(size=(1, V)).astype(np.float32)
+    logits[0, np.argmax(logits[0])] = np.sort(logits[0])[-2] + 0.1  # a best that falls behind once divided
+    prompt = sorted(set(rng.choice(V, 40, replace=False).tolist()) | {int(np.argmax(logits[0]))})  # the best is seen
+    r = 1.7
+    p = SamplingParams(temperature=0, repetition_penalty=r, presence_penalty=0.3)
+    out, state = run(logits, [p], prompts=[prompt])
+    expected = logits[0].astype(np.float64).copy()
+    expected[prompt] = np.where(expected[prompt] > 0, expected[prompt] / r, expected[prompt] * r)
+    assert int(out.tokens[0]) == int(np.argmax(expected)) != int(np.argmax(logits[0]))
+    lse = np.log(np.exp(logits[0] - logits[0].max()).sum()) + logits[0].max()
+    assert float(out.logprob[0]) == pytest.approx(float(logits[0, int(out.tokens[0])] - lse), abs=1e-5)
+    # the generated token is now seen too, and pays the presence penalty after the repetition one
+    first = int(out.tokens[0])
+    out, _ = run(logits, [p], state=state, steps=np.ones(1, np.int32))
+    x = expected.copy()
+    if first not in prompt:
+        x[first] = x[first] / r if x[first] > 0 else x[first] * r
+    x[first] -= 0.3
+    assert int(out.tokens[0]) == int(np.argmax(x))
+    # off (1.0) or a slot whose request had no penalty: the prompt is not marked
+    out, _ = run(logits, [SamplingParams(temperature=0)], prompts=[prompt])
+    assert int(out.tokens[0]) == int(np.argmax(logits[0]))
 
 
 def test_forced_token_replaces_the_choice_but_keeps_the_model_logprob():

@@ -32,6 +32,7 @@ def test_props_describe_the_model_and_its_defaults(app):
     assert settings["params"]["temperature"] == 0.8 and settings["params"]["top_k"] == 40
     assert settings["params"]["top_p"] == 0.95 and settings["params"]["n_predict"] == -1
     assert settings["params"]["seed"] == -1
+    assert settings["params"]["min_p"] == 0.05 and settings["params"]["repeat_penalty"] == 1.0  # llama-server's
     assert body["chat_template"] == engine.template.source and "im_start" in body["chat_template"]
     assert body["bos_token"] == engine.tokenizer.token_text(engine.tokenizer.bos_id)
     assert body["eos_token"] == engine.tokenizer.token_text(engine.tokenizer.eos_id)
@@ -149,3 +150,22 @@ def test_props_need_the_key_the_model_list_does_not(tmp_path_factory):
         assert server.get("/props", {"Authorization": f"Bearer {KEY}"})[0] == 200
     finally:
         server.close()
+
+
+def test_min_p_and_repetition_penalty_reach_the_sampler_under_either_name(app):
+    from pantheon.engine.chat import _sampling
+    from pantheon.web.chat_request import parse_chat_request
+
+    chat = parse_chat_request({"messages": HELLO, "min_p": 0.1, "repetition_penalty": 1.3})
+    params = _sampling(chat, 0)
+    assert params.min_p == 0.1 and params.repetition_penalty == 1.3
+    chat = parse_chat_request({"messages": HELLO, "repeat_penalty": 1.2, "min_p": 7})  # llama-server's name; clamped
+    assert _sampling(chat, 0).repetition_penalty == 1.2 and chat.min_p == 1.0
+    assert _sampling(parse_chat_request({"messages": HELLO}), 0).min_p == 0.0  # the OpenAI routes: off
+    status, body, _ = app.post("/completion", {"prompt": "hi", "n_predict": 2, "repeat_penalty": 1.5})
+    settings = body["generation_settings"]
+    assert status == 200 and settings["min_p"] == 0.05 and settings["repeat_penalty"] == 1.5
+    status, body, _ = app.post("/completion", {"prompt": "hi", "n_predict": 2, "min_p": 0.2, "repeat_penalty": 0})
+    assert body["generation_settings"]["min_p"] == 0.2 and body["generation_settings"]["repeat_penalty"] == 0.01
+    status, body, _ = app.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, "min_p": "x"})
+    assert status == 400 and "min_p" in body["error"]["message"]
