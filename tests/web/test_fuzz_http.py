@@ -129,6 +129,7 @@ CHAT_FIELDS = {
                                                                                    "function": values}))),
     "session_id": either(st.sampled_from(SESSIONS)), "prompt_cache_key": either(st.sampled_from(SESSIONS)),
     "enable_thinking": scalars, "reasoning_budget": INTS, "max_reasoning_tokens": INTS,
+    "min_p": numbers, "repetition_penalty": numbers, "return_progress": scalars, "timings_per_token": scalars,
 }
 LOAD_PATHS = st.sampled_from(["tiny.gguf", "missing.gguf", "/nonexistent/x.gguf", "../outside.gguf", "/etc/passwd",
                               "/", "", ".", "link-out.gguf", "loop.gguf", "a\x00b", "x/" * 3000])
@@ -207,7 +208,8 @@ NATIVE_FIELDS = {"prompt": either(st.one_of(PROMPTS, st.fixed_dictionaries({"pro
                  "stop": CHAT_FIELDS["stop"],
                  "grammar": either(st.one_of(st.sampled_from(['root ::= "a" | "b"', "root ::= (", 'root ::= x\nx ::= [a-z]+',
                                                               'root ::= "start" root?', ""]), texts)),
-                 "json_schema": either(values)}
+                 "json_schema": either(values), "min_p": numbers, "repeat_penalty": numbers,
+                 "return_progress": scalars, "timings_per_token": scalars}
 MESSAGES_BODY = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
 INFILL_FIELDS = {**NATIVE_FIELDS, "input_prefix": either(texts), "input_suffix": either(texts),
                  "input_extra": either(st.lists(either(st.fixed_dictionaries(
