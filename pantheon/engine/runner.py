@@ -324,12 +324,13 @@ class ModelRunner:
         key = GraphKey("decode", "segment", (len(inputs.slots), want_top), program="step_sample")
         return key, args, dict(self._step_static(), want_top=want_top)
 
-    @_mirrored
     def sync(self) -> None:
         """Wait until every dispatched step has written the cache (JAX dispatches asynchronously:
-        a prefill chunk with nothing sampled after it returns before it is computed)."""
+        a prefill chunk with nothing sampled after it returns before it is computed). Local to
+        this process: nothing to replay."""
         jax.block_until_ready(self.cache)
 
+    @_mirrored
     def run(self, work: StepWork) -> StepOutput:
         """Execute one scheduler step: the prefill chunk, then the decode rows, each followed by
         its sampling call. Any exception leaves `self.cache` holding every live buffer (the
