@@ -343,8 +343,7 @@ class Scheduler:
         if not st.admitted:
             st.admitted, st.admitted_at = True, time.perf_counter()
             st.emit(Admitted(cached))
-        if seq.index == 0:
-            self._progress(seq, cached)
+        self._progress(seq, cached)
 
     # ---- postprocess ------------------------------------------------------------------------------------
     def postprocess(self, plan: Plan, out: StepOutput) -> None:
@@ -353,12 +352,11 @@ class Scheduler:
         if seq is not None:
             seq.prefill_at += len(plan.chunk)
             seq.history.extend(plan.chunk)
-            if seq.index == 0:
-                self._progress(seq, seq.prefill_at)
+            self._progress(seq, seq.prefill_at)
             if out.prefill is not None:
                 self._accept(seq, out.prefill, 0, policy)
         for s in plan.decode:
-            if s.n == 0 and s.index == 0:  # its prompt's last token went in as a decode row (_start)
+            if s.n == 0:  # its prompt's last token went in as a decode row (_start)
                 self._progress(s, len(s.request.prompt_ids))
             s.history.append(s.last)
             s.last = None
@@ -417,8 +415,9 @@ class Scheduler:
 
     # ---- events -----------------------------------------------------------------------------------------
     def _progress(self, seq: Sequence, processed: int) -> None:
+        """A PromptProgress event for a request that asked for them (its first choice's prompt)."""
         st = seq.state
-        if st.request.progress:
+        if st.request.progress and seq.index == 0:
             st.emit(PromptProgress(len(st.request.prompt_ids), st.cached, processed,
                                    time.perf_counter() - st.admitted_at, st.timings(processed - st.cached, 0)))
 

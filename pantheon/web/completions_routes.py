@@ -15,7 +15,7 @@ from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd,
 from pantheon.web import sse
 from pantheon.web.chat_request import MAX_N, ChatRequest, _number, prompt_list, sampling_fields
 from pantheon.web.errors import error_body, invalid, json_body
-from pantheon.web.generation import collect, plan_and_submit, progress_fields, system_fingerprint, timings_json
+from pantheon.web.generation import collect, delta_timings, plan_and_submit, progress_fields, system_fingerprint
 
 bp = Blueprint("completions", __name__)
 
@@ -144,8 +144,7 @@ async def _stream(submitted, opts: dict, meta: dict, include_usage: bool):
                     if opts["logprobs"] is not None:
                         lp = _legacy_logprobs(engine, ev.tokens, offsets[ev.index])
                     offsets[ev.index] += len(ev.content)
-                    top = {"timings": timings_json(ev.timings)} if ev.timings is not None else None
-                    yield chunk(base + ev.index, ev.content, logprobs=lp, top=top)
+                    yield chunk(base + ev.index, ev.content, logprobs=lp, top=delta_timings(ev))
                 elif isinstance(ev, ChoiceEnd):
                     yield chunk(base + ev.index, "", finish=ev.finish_reason)
                 elif isinstance(ev, RequestEnd):

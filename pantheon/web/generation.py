@@ -57,6 +57,11 @@ def timings_json(t: Timings) -> dict:
             "predicted_per_second": 1e3 * t.decode_steps / predicted_ms if predicted_ms and t.decode_steps else 0.0}
 
 
+def delta_timings(ev: Delta) -> dict:
+    """A streamed delta's `timings` field (`timings_per_token`), or nothing."""
+    return {"timings": timings_json(ev.timings)} if ev.timings is not None else {}
+
+
 def progress_fields(ev: PromptProgress, chat) -> dict:
     """A streamed chunk's llama-server fields for a PromptProgress event (`return_progress`):
     `prompt_progress`, and `timings` so far with `timings_per_token`."""

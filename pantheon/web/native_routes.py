@@ -18,7 +18,7 @@ from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd,
 from pantheon.web import sse
 from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, is_token_id, llama_prompts, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body, status_of
-from pantheon.web.generation import collect_one, plan_and_submit, progress_fields, timings, timings_json
+from pantheon.web.generation import collect_one, delta_timings, plan_and_submit, progress_fields, timings
 
 bp = Blueprint("native", __name__)
 
@@ -67,7 +67,8 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
         "max_tokens": MAX_TOKENS_CAP if n_predict < 0 else max(n_predict, 1), "stop": body.get("stop"),
         "stream": body.get("stream", False), "seed": None if seed in (None, -1) else seed,
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
-        "min_p": body.get("min_p", MIN_P_DEFAULT), "repeat_penalty": body.get("repeat_penalty"), "logit_bias": bias, "logprobs": True, "top_logprobs": min(n_probs, 20), "grammar": body.get("grammar"),
+        "min_p": body.get("min_p", MIN_P_DEFAULT), "repeat_penalty": body.get("repeat_penalty"), "logit_bias": bias,
+        "logprobs": True, "top_logprobs": min(n_probs, 20), "grammar": body.get("grammar"),
         "json_schema": body.get("json_schema"), "response_format": body.get("response_format"),
         "return_progress": body.get("return_progress"), "timings_per_token": body.get("timings_per_token")})
     return ChatRequest(messages=[], prompt=mixed_prompt_ids(engine.tokenizer, prompt), **fields)
@@ -230,9 +231,7 @@ async def _stream(engine, chat: ChatRequest, body: dict, events):
                         "id_slot": 0, "tokens_predicted": produced, "tokens_evaluated": len(chat.prompt)}
                 if n_probs:
                     part["completion_probabilities"] = _probs(engine, ev.tokens, body)
-                if ev.timings is not None:
-                    part["timings"] = timings_json(ev.timings)
-                yield sse.event(part)
+                yield sse.event({**part, **delta_timings(ev)})
             elif isinstance(ev, ChoiceEnd):
                 choice_end = ev
             elif isinstance(ev, RequestEnd):

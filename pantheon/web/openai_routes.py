@@ -12,8 +12,8 @@ from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd,
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
 from pantheon.web.errors import error_body, json_body
-from pantheon.web.generation import (collect, plan_and_submit, progress_fields, response_format_status, system_fingerprint,
-                                     timings, timings_json)
+from pantheon.web.generation import (collect, delta_timings, plan_and_submit, progress_fields, response_format_status,
+                                     system_fingerprint, timings)
 from pantheon.web.rows import public_row
 
 bp = Blueprint("openai", __name__)
@@ -131,7 +131,7 @@ class ChunkStream:
             extra = {"tool_call_error": ev.tool_call_error} if ev.tool_call_error else None
             return self.chunk(ev.index, {}, finish=ev.finish_reason, extra=extra)
         lp = _logprobs(self.engine, ev.tokens) if self.chat.logprobs else None
-        top = {"timings": timings_json(ev.timings)} if ev.timings is not None else None
+        top = delta_timings(ev)
         out = b""
         if ev.reasoning:
             out += self.chunk(ev.index, {"reasoning_content": ev.reasoning}, logprobs=None if ev.content else lp, top=top)

@@ -21,8 +21,8 @@ from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd,
 from pantheon.web.chat_request import ChatRequest, function_tools, joined_text, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body
 from pantheon.web import sse
-from pantheon.web.generation import (Choice, collect_one, merge_tool_deltas, plan_and_submit, progress_fields,
-                                     response_format_status, timings, timings_json)
+from pantheon.web.generation import (Choice, collect_one, delta_timings, merge_tool_deltas, plan_and_submit,
+                                     progress_fields, response_format_status, timings)
 from pantheon.web.response_store import Kept, ResponseStore
 
 bp = Blueprint("responses", __name__)
@@ -271,12 +271,12 @@ class ResponseEvents:
         self.choice = Choice(0)  # the whole answer, for the kept conversation
         self.current: dict | None = None  # the open item: {"kind", "item", "text"}
         self.pending = ""  # whitespace before any item: a message only if no tool call follows
-        self.timings: dict | None = None  # llama-server's timings_per_token: on each delta event
+        self.timings: dict = {}  # the last delta's `timings` (timings_per_token): on each .delta event
 
     def event(self, kind: str, **payload) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **payload}
-        if self.timings is not None and kind.endswith(".delta"):
-            data["timings"] = self.timings
+        if kind.endswith(".delta"):
+            data.update(self.timings)
         self.seq += 1
         return sse.event(data, kind)
 
@@ -371,8 +371,7 @@ async def _stream(kept: ResponseStore, meta: dict, chat: ChatRequest, ctx: dict,
             if isinstance(ev, PromptProgress):  # llama-server's return_progress
                 yield s.event("response.in_progress", response=head, **progress_fields(ev, chat))
             elif isinstance(ev, Delta):
-                if ev.timings is not None:
-                    s.timings = timings_json(ev.timings)
+                s.timings = delta_timings(ev)
                 out = s.delta(ev)
                 if out:
                     yield out
@@ -383,7 +382,6 @@ async def _stream(kept: ResponseStore, meta: dict, chat: ChatRequest, ctx: dict,
                 status = "incomplete" if s.choice.finish_reason == "length" else "completed"
                 final = _response(meta, ctx["echo"], status, s.output, _usage(ev, _reasoning_tokens(engine, s.choice)))
                 _keep(kept, meta, chat, ctx, s.choice, final)
-                s.timings = None
                 yield out + s.event(f"response.{status}", response=final, timings=timings(ev))  # llama-server's
             elif isinstance(ev, RequestError):
                 error = {"code": ev.type, "message": ev.message}
