@@ -70,6 +70,35 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     return buckets[-1]
 
 
+# An extra chunk costs about this many padded rows' work (a step's dispatch and attention).
+CHUNK_SPLIT_ROWS = 8
+
+
+def _largest_bucket_below(n: int) -> int | None:
+    return max((b for b in CHUNK_BUCKETS if b < n), default=None)
+
+
+def _prefill_rows(n: int) -> int:
+    """The rows (real and padded, an extra chunk counted as CHUNK_SPLIT_ROWS) that n tokens cost in
+    chunk_length's chunks."""
+    full = _largest_bucket_below(n)
+    whole = bucket_for(n, CHUNK_BUCKETS)
+    return whole if full is None else min(whole, full + CHUNK_SPLIT_ROWS + _prefill_rows(n - full))
+
+
+def chunk_length(remaining: int, limit: int) -> int:
+    """How many of a prompt's `remaining` tokens the next prefill chunk takes, at most `limit`.
+    A chunk is padded to its bucket, and a padded row costs what a real one does: a remainder far
+    from its bucket goes in more chunks, the largest bucket it fills first (138 tokens: 128 + 16
+    rows, not 256; 400: 256 + 128 + 16, not 512), unless the extra chunks cost as much as the
+    padding they save."""
+    n = min(remaining, limit)
+    full = _largest_bucket_below(n)
+    if n < remaining or full is None:
+        return n
+    return full if full + CHUNK_SPLIT_ROWS + _prefill_rows(n - full) < bucket_for(n, CHUNK_BUCKETS) else n
+
+
 @dataclass
 class PrefillWork:
     """One chunk of one prompt. `sampling` is set on the prompt's last chunk: its last token's
@@ -240,8 +269,10 @@ class ModelRunner:
             raise ValueError(f"prefill of {len(tokens)} tokens at {start} exceeds the cache ({self.ctx})")
         outs = []
         pos = start
-        for i in range(0, len(tokens), CHUNK_BUCKETS[-1]):
-            chunk = tokens[i:i + CHUNK_BUCKETS[-1]]
+        i = 0
+        while i < len(tokens):
+            chunk = tokens[i:i + chunk_length(len(tokens) - i, CHUNK_BUCKETS[-1])]
+            i += len(chunk)
             n = len(chunk)
             t = bucket_for(n, CHUNK_BUCKETS)
             ids = np.zeros((1, t), np.int32)

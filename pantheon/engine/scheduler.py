@@ -34,7 +34,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError, failure_message
-from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
+from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork, chunk_length
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
 from pantheon.text.pipeline import ChoiceText
@@ -234,7 +234,8 @@ class Scheduler:
             seq = min(prefilling, key=lambda s: s.prefill_turn)
             seq.prefill_turn = self._steps + 1
             plan.prefill = seq
-            plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + self._chunk_size(seq)]
+            remaining = len(seq.request.prompt_ids) - seq.prefill_at
+            plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + chunk_length(remaining, self._chunk_size(seq))]
         plan.work = self._work(plan)
         return plan
 

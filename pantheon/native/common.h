@@ -80,6 +80,26 @@ inline void tiled_columns(int64_t M, int64_t n0, int64_t n1, Tile&& tile) {
   }
 }
 
+// tiled_columns' tiles in another order: columns in blocks of `block`, and every row tile runs over
+// a block before the next row tile starts, so a row tile's activations stay in L1 while the block's
+// weights (in L2) are read once a tile. For activations too large for L1 in more than one row tile
+// (kquants.h's fixed-point planes). Only the order differs: every tile's arithmetic is the same.
+template <int64_t Max, class Tile>
+inline void blocked_columns(int64_t M, int64_t n0, int64_t n1, int64_t block, Tile&& tile) {
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
+    const auto columns = [&](auto R, int64_t m0) {
+      for (int64_t n = b0; n < b1; ++n) tile(R, m0, n);
+    };
+    int64_t m0 = 0;
+    if constexpr (Max >= 8)
+      for (; m0 + 8 <= M; m0 += 8) columns(std::integral_constant<int64_t, 8>{}, m0);
+    for (; m0 + 4 <= M; m0 += 4) columns(std::integral_constant<int64_t, 4>{}, m0);
+    for (; m0 + 2 <= M; m0 += 2) columns(std::integral_constant<int64_t, 2>{}, m0);
+    for (; m0 < M; ++m0) columns(std::integral_constant<int64_t, 1>{}, m0);
+  }
+}
+
 inline int64_t pool_threads(ffi::ThreadPool& pool) { return pool.num_threads() > 0 ? pool.num_threads() : 1; }
 
 }  // namespace pantheon

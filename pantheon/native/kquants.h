@@ -531,11 +531,14 @@ inline __m512i fixed_codes32(__m512i z0, __m512i z1, const uint8_t* b, int v) {
   return _mm512_ternarylogic_epi32(low, bit, _mm512_set1_epi8(0x10), 0xF8);  // a | (b & c)
 }
 
+// Lane L of a Q4_K/Q5_K codes vector sums sub-block L / 2: the lanes' scales, from 8 of them.
+inline __m512i lane_sub32() { return _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7); }
+
 template <int64_t t, int64_t R>
 inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t* wblocks, int64_t K, int64_t m0,
                           int64_t j0, int64_t j1, FixedAcc* st) {
   constexpr int64_t bb = k_bytes(t);
-  const __m512i lane_sub = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i lane_sub = lane_sub32();
   __m512 acc[R];
   __m256 macc[R];  // the min term
   for (int64_t r = 0; r < R; ++r) acc[r] = st[r].acc, macc[r] = _mm512_castps512_ps256(st[r].macc);
@@ -597,6 +600,87 @@ inline void fixed_ktile16(const FixedRows& xf, const float* xsum, const uint8_t*
   for (int64_t r = 0; r < R; ++r) st[r].acc = acc[r], st[r].macc = macc[r];
 }
 
+// ---- Many rows (a prefill chunk): the same products as a GEMM over columns decoded once ----------
+// The row tiles above load three planes of x for every three vpdpbusd (one column at a time) and
+// decode a column's codes again for every four rows: from 8 rows on, 24-35 cycles a row and
+// super-block (one Zen 4 thread), where the vpdpbusd alone need 12. Here a block of columns is
+// decoded once for all rows (codes in fixed_codes32's order, scales by lane), and a 2-row x
+// 4-column tile loads each plane once for four columns' vpdpbusd and each column's codes once for
+// two rows: 18-25 cycles from 8 rows to 512 (at 2 to 6 rows the decoding costs more than it saves,
+// 25-40 against 20-32; other tiles, 1 x 4, 1 x 8, 2 x 2, 3 x 2, ran level or, 4 x 2, spilled
+// registers). The 1 B-shape Q4_K_M model's exact prefill, 16 / 32 / 64 tokens: 332 / 589 / 1612 ->
+// 241 / 497 / 944 ms (with the kernel now taking up to 256 rows, qmatmul.GEMM_KERNEL_ROWS). Every product's
+// arithmetic is fixed_ktile32's, bit for bit: the same exact integer sums, combined, converted and
+// scaled by the same values (permuting lanes commutes with the lane-wise product of the two scales)
+// in the same order, so a row's result does not depend on which path its batch took.
+struct DecodedK4 {  // one column's super-block
+  __m512i codes[4];
+  __m512 scale;  // d * sc, by lane (lane L: sub-block L / 2)
+  __m256 mins;   // dmin * mn
+};
+
+template <int64_t t>
+inline void decode_k4(const uint8_t* b, DecodedK4& o) {
+  const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
+  const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+  for (int v = 0; v < 4; ++v) o.codes[v] = fixed_codes32<t>(z0, z1, b, v);
+  const __m512 s16 = q4k_scales16(b);
+  o.scale = _mm512_permutexvar_ps(lane_sub32(), s16);
+  o.mins = _mm512_extractf32x8_ps(s16, 1);
+}
+
+// Rows m0 .. m0 + R - 1 against C decoded columns (col[c * nsb + j]: column c's super-block j), all
+// nsb super-blocks, into st[r * C + c].
+template <int64_t R, int64_t C>
+inline void fixed_gemm32(const FixedRows& xf, const float* xsum, const DecodedK4* col, int64_t nsb, int64_t K,
+                         int64_t m0, FixedAcc* st) {
+  __m512 acc[R * C];
+  for (int64_t i = 0; i < R * C; ++i) acc[i] = st[i].acc;
+  for (int64_t j = 0; j < nsb; ++j) {
+    __m512i d[R][C][3];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) d[r][c][0] = d[r][c][1] = d[r][c][2] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      __m512i codes[C];
+      for (int64_t c = 0; c < C; ++c) codes[c] = col[c * nsb + j].codes[v];
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* p = xf.planes + 768 * (((m0 + r) * K) / 256 + j) + 192 * v;
+        for (int k = 0; k < 3; ++k) {
+          __m512i plane = _mm512_loadu_si512(p + 64 * k);
+          __asm__("" : "+v"(plane));  // one load for the C columns, not one folded into each
+          for (int64_t c = 0; c < C; ++c) d[r][c][k] = _mm512_dpbusd_epi32(d[r][c][k], codes[c], plane);
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t sb = ((m0 + r) * K) / 256 + j;
+      const __m512 xs = _mm512_permutexvar_ps(lane_sub32(), _mm512_loadu_ps(xf.scale + 16 * sb));
+      const __m256 x8 = _mm256_loadu_ps(xsum + (m0 + r) * (K / 32) + 8 * j);
+      for (int64_t c = 0; c < C; ++c) {
+        const DecodedK4& w = col[c * nsb + j];
+        const __m512i dd = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(d[r][c][0], 8), d[r][c][1]), 8), d[r][c][2]);
+        acc[r * C + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(w.scale, xs), acc[r * C + c]);
+        FixedAcc& a = st[r * C + c];
+        a.macc = _mm512_castps256_ps512(_mm256_fmadd_ps(w.mins, x8, _mm512_castps512_ps256(a.macc)));
+      }
+    }
+  }
+  for (int64_t i = 0; i < R * C; ++i) st[i].acc = acc[i];
+}
+
+// From this many rows fixed_columns takes the GEMM (Q4_K, Q5_K).
+constexpr int64_t kGemmRows = 8;
+constexpr int64_t kGemmBlock = 32;  // columns decoded at once: 32 x 8 super-blocks (K 2048) in 96 KB
+
+// Columns a row tile of x's planes (3 bytes a weight: 24 KB for 4 rows of 2048) runs over before
+// the next row tile (blocked_columns; Q6_K's products, and Q4_K/Q5_K's under kGemmRows rows): 32
+// columns of 2048 Q4_K weights are 37 KB, in L2. An 8192 x
+// 2048 product at 8 / 16 / 32 rows, column by column -> in blocks: Q4_K 0.34 / 0.30 / 0.32 ->
+// 0.21 / 0.24 / 0.29 ms a row, Q6_K 0.33 / 0.31 / 0.31 -> 0.26 / 0.25 / 0.27 (two Zen 4 threads).
+// K-tiled matrices keep tiled_columns' order: their tiles' planes are small already (no gain
+// measured); nor do the 8-bit kernels gain (1 byte a weight).
+constexpr int64_t kColumnBlock = 32;
+
 template <int64_t t>
 void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, bool tiled, float* y, int64_t M, int64_t N,
                    int64_t K, int64_t n0, int64_t n1) {
@@ -614,8 +698,36 @@ void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, boo
     const float mins = t == kQ6_K ? 32.f * k_hsum(a.macc) : hsum((v8f)_mm512_castps512_ps256(a.macc));
     y[m * N + n] = (k_hsum(a.acc) - mins) * xf.row_scale[m];
   };
+  if constexpr (t != kQ6_K) {
+    if (M >= kGemmRows) {
+      std::unique_ptr<DecodedK4[]> dec(new DecodedK4[kGemmBlock * nsb]);
+      for (int64_t b0 = n0; b0 < n1; b0 += kGemmBlock) {
+        const int64_t b1 = std::min(n1, b0 + kGemmBlock);
+        for (int64_t n = b0; n < b1; ++n)
+          for (int64_t j = 0; j < nsb; ++j) decode_k4<t>(w + block_offset(tiled, n, j, N, nsb, bb), dec[(n - b0) * nsb + j]);
+        // 2 rows x 4 columns, then what is left of either
+        const auto tile = [&](auto R, auto C, int64_t m0, int64_t c0) {
+          constexpr int64_t r_ = decltype(R)::value, c_ = decltype(C)::value;
+          FixedAcc st[r_ * c_];
+          for (auto& a : st) a.acc = a.macc = _mm512_setzero_ps();
+          fixed_gemm32<r_, c_>(xf, xsum, &dec[(c0 - b0) * nsb], nsb, K, m0, st);
+          for (int64_t r = 0; r < r_; ++r)
+            for (int64_t c = 0; c < c_; ++c) finish(st[r * c_ + c], m0 + r, c0 + c);
+        };
+        const auto rows = [&](auto R, int64_t m0) {
+          int64_t c0 = b0;
+          for (; c0 + 4 <= b1; c0 += 4) tile(R, std::integral_constant<int64_t, 4>{}, m0, c0);
+          for (; c0 < b1; ++c0) tile(R, std::integral_constant<int64_t, 1>{}, m0, c0);
+        };
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2) rows(std::integral_constant<int64_t, 2>{}, m0);
+        if (m0 < M) rows(std::integral_constant<int64_t, 1>{}, m0);
+      }
+      return;
+    }
+  }
   if (!tiled) {  // a column's whole row at once: its sums never leave the tile
-    tiled_columns<4>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+    blocked_columns<4>(M, n0, n1, kColumnBlock, [&](auto R, int64_t m0, int64_t n) {
       FixedAcc st[decltype(R)::value];
       for (auto& a : st) a.acc = a.macc = _mm512_setzero_ps();
       run(R, m0, n, 0, nsb, st);

@@ -41,16 +41,27 @@ K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS})
 # against 35, Q8_0 18 against 31; at 64 rows the GEMM is level or ahead).
 KERNEL_MAX_ROWS = 16
 LARGE_MATRIX = 1 << 22
-# The fixed-point K-quant kernel (kquants.h; AVX-512 VNNI, exact numerics) keeps the lead further:
-# Q4_K 2048 x 2048 at 32 rows 3.3 against 4.1 ms (at 48 the GEMM, 5.0 against 3.8); 8192 x 2048
-# at 48 rows Q4_K 15.3 against 17.9, Q6_K (K tiles) 18.3 against 18.9; level at 64.
-FIXED_KERNEL_ROWS, FIXED_LARGE_KERNEL_ROWS = 32, 48
+# The fixed-point K-quant kernel (kquants.h; AVX-512 VNNI, exact numerics) keeps the lead further,
+# its row tiles run over blocks of columns (kColumnBlock): Q4_K 2048 x 2048 at 48 rows 3.6 against
+# 4.2 ms (at 64 the GEMM, 4.4 against 4.0); 8192 x 2048 at 64 rows Q4_K 16.0-17.9 against
+# 21.4-21.7, 49152 x 2048 Q6_K 123 against 154 (level at 96); 2048 x 8192 (K tiles) at 64 rows Q4_K
+# 20.0-24.6 against 21.6-23.0, Q6_K 23.7-28.8 against 24.4-26.4 (level; at 32 rows 10.4 against
+# 17.5, 13.1-15.1 against 18.5-21.1).
+FIXED_KERNEL_ROWS, FIXED_LARGE_KERNEL_ROWS = 48, 64
+# From 8 rows its Q4_K/Q5_K products run as a GEMM over columns decoded once (kquants.h:
+# fixed_gemm32), level with dequantize-and-GEMM at 256 rows: 8192 x 2048 Q4_K at 64 / 128 / 256 /
+# 512 rows 13.3 / 27.9 / 56.7 / 111 against 32.1 / 32.9 / 55.7 / 97.5 ms; 2048 x 2048 at 128 / 256
+# 7.3 / 14.6 against 8.3 / 15.2; 2048 x 8192 (K tiles) at 128 28.4 against 35.7; Q5_K 8192 x 2048
+# at 256 54.3 against 56.4.
+GEMM_KERNEL_ROWS, GEMM_TYPES = 256, frozenset({Q4_K, Q5_K})
 
 
 def kernel_rows(w: "QMatrix") -> int:
     """The most rows of f32 activations the kernel multiplies with w (more: dequantize, GEMM)."""
     large = w.n_in * w.n_out >= LARGE_MATRIX
     if base_type(w.qtype) in TILEABLE and build.fixed_point():
+        if base_type(w.qtype) in GEMM_TYPES:
+            return GEMM_KERNEL_ROWS
         return FIXED_LARGE_KERNEL_ROWS if large else FIXED_KERNEL_ROWS
     return 2 * KERNEL_MAX_ROWS if large else KERNEL_MAX_ROWS
 # Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q5_1 unpacked (`unpack_nibbles`)

@@ -231,3 +231,28 @@ def test_the_ladders_window_bounds_a_running_sequence(engine, pressure, monkeypa
     end = next(ev for ev in events if isinstance(ev, ChoiceEnd))
     assert end.finish_reason == "length"
     assert end.completion_tokens == (1 if pressure else 24)
+
+
+def test_a_prompt_goes_in_chunks_that_waste_few_padded_rows():
+    """A chunk is padded to its bucket (runner.CHUNK_BUCKETS) and a padded row costs a real row's
+    work: a prompt's chunks cover it exactly, none past the limit, and their rows (each extra chunk
+    counted as CHUNK_SPLIT_ROWS) never exceed those of chunks of the limit with the remainder in
+    one; a remainder far from its bucket goes in more chunks."""
+    from pantheon.engine.runner import CHUNK_BUCKETS, CHUNK_SPLIT_ROWS, bucket_for, chunk_length
+
+    def chunks(n, limit=CHUNK_BUCKETS[-1]):
+        out = []
+        while n - sum(out):
+            out.append(chunk_length(n - sum(out), limit))
+        return out
+
+    assert chunks(138) == [128, 10] and chunks(650) == [512, 128, 10] and chunks(400) == [256, 128, 16]
+    assert chunks(35) == [35] and chunks(50) == [50] and chunks(512) == [512]  # close to their buckets
+    rng = np.random.default_rng()
+    for n in list(rng.integers(1, 3000, 200)) + list(range(1, 600)):
+        for limit in (CHUNK_BUCKETS[-1], *SHARED_CHUNKS):
+            got = chunks(int(n), limit)
+            assert sum(got) == n and all(0 < c <= limit for c in got)
+            whole = [limit] * (int(n) // limit) + ([int(n) % limit] if n % limit else [])
+            cost = [sum(bucket_for(c, CHUNK_BUCKETS) for c in cs) + CHUNK_SPLIT_ROWS * len(cs) for cs in (got, whole)]
+            assert cost[0] <= cost[1], (n, limit, got)

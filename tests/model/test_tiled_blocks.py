@@ -19,7 +19,7 @@ from pantheon.native import qmatmul as native
 from tests.fixtures.tiny_models import Q, write_tiny_llama
 
 SHORT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]
-LONG = SHORT * 4  # 48 rows: past the kernel's rows, so the blocks are dequantized for XLA's GEMM
+LONG = SHORT * 24  # 288 rows: past every kernel's rows, so the blocks are dequantized for XLA's GEMM
 STEPS = [40, 41, 42]
 
 
@@ -38,7 +38,7 @@ def run(path, mode: str):
     params = weights.load_params(g, spec, numerics=numerics)
     outs = []
     for prompt in (SHORT, LONG):
-        runner = ModelRunner(spec, numerics, params, n_slots=1, ctx=64)
+        runner = ModelRunner(spec, numerics, params, n_slots=1, ctx=512)
         prefill = np.asarray(runner.prefill(0, prompt, 0, all_logits=True))
         steps = [np.asarray(runner.decode([0], [t], [len(prompt) + i]))[0] for i, t in enumerate(STEPS)]
         outs.append((prefill, np.stack(steps)))

@@ -113,6 +113,28 @@ def test_k_quant_products_hold_f32_accuracy_at_every_magnitude(qtype):
     np.testing.assert_array_equal(out[keep], np.asarray(jax.jit(qmatmul)(jnp.asarray(x[keep]), w)))
 
 
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda t: t.name)
+def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
+    """From 8 rows the fixed-point kernel multiplies Q4_K/Q5_K as a GEMM over columns decoded once
+    (kquants.h: fixed_gemm32, 2-row x 4-column tiles): every row of a 19-row product equals that
+    row's product alone bit for bit (an odd last row, 70 columns that do not fill the tiles), row
+    major and K-tiled, and holds f32's error of the float64 product. Elsewhere the same holds for
+    the row tiles every CPU runs."""
+    rng = np.random.default_rng()
+    for n_in, tiled in ((512, False), (4096, True)):
+        if tiled and not build.fixed_point():
+            continue  # only the AVX-512 VNNI kernel reads K tiles
+        w, dense = random_matrix(rng, 70, n_in, qtype)
+        w = tile_k(w) if tiled else w
+        x = rng.standard_normal((19, n_in)).astype(np.float32)
+        f = jax.jit(qmatmul)
+        full = np.asarray(f(jnp.asarray(x), w))
+        for m in range(19):
+            np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[m:m + 1]), w))[0], full[m])
+        exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+        assert np.abs(full - exact).max() <= 2e-6 * np.abs(exact).max() * np.sqrt(n_in / 32)
+
+
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
 def test_k_tiled_blocks_give_the_row_major_product_bit_for_bit(qtype):
     """Long rows load K-tile-major for the fixed-point kernel (qmatmul.tile_k): the same bytes
@@ -435,9 +457,10 @@ def test_a_prefill_chunk_dequantizes_one_matrix_at_a_time():
 
 
 def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monkeypatch):
-    """Where the fixed-point K-quant kernel runs (AVX-512 VNNI) it keeps Q4_K/Q5_K/Q6_K chunks of up
-    to 32 rows (48 for large matrices) from the dequantize-and-GEMM path; elsewhere, and for other
-    types, 16 (32); a K-tiled matrix counts as its block type."""
+    """Where the fixed-point K-quant kernel runs (AVX-512 VNNI) it keeps Q4_K/Q5_K chunks of up to
+    256 rows (its GEMM) and Q6_K ones of up to 48 (64 for large matrices) from the
+    dequantize-and-GEMM path; elsewhere, and for other types, 16 (32); a K-tiled matrix counts as
+    its block type."""
     from pantheon.native import qmatmul as qm
 
     def matrix(qtype, n_out, n_in):
@@ -448,10 +471,13 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
     for fixed in (True, False):
         monkeypatch.setattr(qm.build, "fixed_point", lambda fixed=fixed: fixed)
         for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-            assert qm.kernel_rows(matrix(qtype, *small)) == (32 if fixed else 16)
-            assert qm.kernel_rows(matrix(qtype, *large)) == (48 if fixed else 32)
+            gemm = fixed and qtype in (Q.Q4_K, Q.Q5_K)
+            small_rows = qm.GEMM_KERNEL_ROWS if gemm else qm.FIXED_KERNEL_ROWS if fixed else 16
+            large_rows = qm.GEMM_KERNEL_ROWS if gemm else qm.FIXED_LARGE_KERNEL_ROWS if fixed else 32
+            assert qm.kernel_rows(matrix(qtype, *small)) == small_rows
+            assert qm.kernel_rows(matrix(qtype, *large)) == large_rows
             tiled = matrix(qtype, *large)
-            assert qm.kernel_rows(QMatrix(tiled.blocks, tiled.qtype + TILED, tiled.n_in)) == (48 if fixed else 32)
+            assert qm.kernel_rows(QMatrix(tiled.blocks, tiled.qtype + TILED, tiled.n_in)) == large_rows
         assert qm.kernel_rows(matrix(Q.Q8_0, *small)) == 16 and qm.kernel_rows(matrix(Q.Q8_0, *large)) == 32
         assert qm.kernel_rows(matrix(Q.Q3_K, *large)) == 32
 
