@@ -110,7 +110,7 @@ def lower_model(name: str, spec, build) -> list[dict]:
             kernels = llama.block_kernels(spec, state, PREFILL_CHUNK)
             rows.append(_lower(f"{name}: prefill block, {PREFILL_CHUNK} tokens", lambda w, k, v, *a: llama.block(
                 w, (k, v), *a, spec=spec, numerics=EXACT, kv_len=CTX, kernels=kernels),
-                params["layers"][0], state.k[0], state.v[0], x, pos, slots))
+                params["layers"][0], state.k[0], state.v[0], x, pos, slots, i32(1)))
     return rows
 
 

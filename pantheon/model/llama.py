@@ -119,13 +119,20 @@ def _gemma_tail(w, x, spec: ModelSpec, num: Numerics):
 
 
 @partial(jax.jit, static_argnames=("spec", "numerics", "kv_len", "kernels", "swa", "ring"), donate_argnames=("kv",))
-def block(w, kv, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv_len: int, kernels: kern.Kernels,
-          swa: bool = False, ring: bool = False):
+def block(w, kv, x, positions, slots, last, *, spec: ModelSpec, numerics: Numerics, kv_len: int,
+          kernels: kern.Kernels, swa: bool = False, ring: bool = False):
     """One transformer block. x: [B, T, E]; kv: this layer's (k_cache, v_cache), each [slots+1, C, K, D];
-    positions: int32 [B, T] absolute; slots: int32 [B]. Attends over the first kv_len positions.
+    positions: int32 [B, T] absolute; slots: int32 [B]; last: int32 [B], each row's last real token
+    (the rows after it pad a prefill chunk to its bucket). Attends over the first kv_len positions.
     kernels: the attention kernel's mode (`block_kernels`). swa: a sliding-window layer (gemma3);
     ring: its cache is a ring (state.ring_len) and kv_len the model's context."""
     k_cache, v_cache = kv
+    # Padding rows held at zero through the block (its input, and its attention output before the
+    # projection) reach every matrix as rows of zeros, which the native kernel does not compute
+    # (native/common.h: live_rows): a 35-token prompt pays for 35 rows, not its bucket's 48. No real
+    # row reads them (attention is causal), so nothing else changes.
+    keep = (jnp.arange(x.shape[1])[None, :] <= last[:, None])[..., None]
+    x = jnp.where(keep, x, 0.0)
     q, k, v = _project(w, x, positions, spec, numerics, swa)
     # Write this chunk's keys/values at their absolute positions (a ring's: modulo its length),
     # then attend. Positions past the cache (padding of a final chunk) are dropped; a ring's padding
@@ -137,7 +144,7 @@ def block(w, kv, x, positions, slots, *, spec: ModelSpec, numerics: Numerics, kv
     # A window no shorter than the cache is plain causal attention: the layer keeps the fast kernels.
     window = spec.swa_window if swa and (ring or k_cache.shape[1] > spec.swa_window) else 0
     attn = kern.attend(q, k_cache, v_cache, positions, slots, kv_len, kernels, window, ring)
-    return _tail(w, x, attn, spec, numerics), k_cache, v_cache
+    return _tail(w, x, jnp.where(keep[..., None], attn, 0), spec, numerics), k_cache, v_cache
 
 
 # The host fallback: a layer whose KV buffers could not be allocated on the device keeps them in host
@@ -204,7 +211,7 @@ def forward(params, cache: KVCache, inputs: StepInputs, *, spec: ModelSpec, nume
             attn = host_attend(q, k, v, ks[i], vs[i], positions, slots, spec.swa_window if swa else 0, ring)
             x = call("attn_tail", i, attn_tail, (w, x, attn), plain)
         else:
-            x, ks[i], vs[i] = call("block", i, block, (w, (ks[i], vs[i]), x, positions, slots),
+            x, ks[i], vs[i] = call("block", i, block, (w, (ks[i], vs[i]), x, positions, slots, logit_index),
                                    dict(windowed, ring=True) if ring else windowed if swa else static)
     logits = call("head", -1, head, (params["head"], params["output_norm"], x, logit_index),
                   dict(spec=spec, numerics=numerics, all_logits=all_logits, hidden=hidden))

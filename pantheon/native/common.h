@@ -100,6 +100,16 @@ inline void blocked_columns(int64_t M, int64_t n0, int64_t n1, int64_t block, Ti
   }
 }
 
+// How many of x's M rows [M, K] come before its trailing rows of zeros: a prefill chunk's padding
+// rows (llama.py zeroes them), whose products are zero. The kernels compute the rows before them
+// and write zeros for the rest: each row's arithmetic is its own, so the others do not change.
+inline int64_t live_rows(const float* x, int64_t M, int64_t K) {
+  for (; M > 0; --M)
+    for (const float* r = x + (M - 1) * K; r < x + M * K; ++r)
+      if (*r != 0.f) return M;  // NaN too
+  return 0;
+}
+
 inline int64_t pool_threads(ffi::ThreadPool& pool) { return pool.num_threads() > 0 ? pool.num_threads() : 1; }
 
 }  // namespace pantheon

@@ -301,11 +301,13 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
   if (tiled && (int8_activations || !fixed_k(qtype)))
     return ffi::Error::InvalidArgument("qmatmul: K-tiled blocks are read with f32 activations by the AVX-512 VNNI kernel only");
   const auto xd = x.dimensions(), wd = w.dimensions();
-  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  const int64_t K = xd[1], N = wd[0];
   if (K % 256 != 0 || wd[1] != K / 256 * k_bytes(qtype)) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
+  const int64_t M = live_rows(xp, xd[0], K);
+  std::fill(yp + M * N, yp + xd[0] * N, 0.f);
   const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
   if (int8_activations) {
@@ -351,13 +353,15 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
   if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, x, w, y, qtype, int8_activations);
-  const int64_t M = xd[0], K = xd[1], N = wd[0], bb = block_bytes(qtype);
+  const int64_t K = xd[1], N = wd[0], bb = block_bytes(qtype);
   if (bb == 0) return ffi::Error::InvalidArgument("qmatmul: unsupported quant type");
   if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
   if (int8_activations && half(qtype)) return ffi::Error::InvalidArgument("qmatmul: F16/BF16 take f32 activations");
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
+  const int64_t M = live_rows(xp, xd[0], K);
+  std::fill(yp + M * N, yp + xd[0] * N, 0.f);
   const int64_t nb = K / 32, blocks = M * nb > 0 ? M * nb : 1;
   // Waking a pool thread costs more than a small product gains from it.
   const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;

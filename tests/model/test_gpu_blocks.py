@@ -141,7 +141,8 @@ def test_block_with_blocks_lowers_for_cuda(mixed, t):
     with dispatch.lowering_for("cuda"):
         text = lower_for_cuda(lambda *a: llama.block(*a, spec=spec, numerics=Numerics("exact"), kv_len=512,
                                                      kernels=kernels),
-                              w, (cache, cache), jax.ShapeDtypeStruct((b, t, spec.n_embd), jnp.float32), i32(b, t), i32(b))
+                              w, (cache, cache), jax.ShapeDtypeStruct((b, t, spec.n_embd), jnp.float32), i32(b, t), i32(b),
+                              i32(b))
     assert text is None or triton_calls(text) >= 6
 
 

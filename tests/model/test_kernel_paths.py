@@ -254,7 +254,7 @@ def test_llama_block_lowers_with_pallas_kernels(tiny_llama, t):
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     kernels = ((kern.attention_kernel(t), "pallas"),)
     _lower(lambda *a: llama.block(*a, spec=spec, numerics=Numerics("exact"), kv_len=512, kernels=kernels),
-           w, (cache, cache), x, i32(b, t), i32(b), n_kernels=1)
+           w, (cache, cache), x, i32(b, t), i32(b), i32(b), n_kernels=1)
 
 
 @pytest.mark.parametrize("t", [1, 64], ids=["decode", "prefill"])

@@ -113,6 +113,29 @@ def test_k_quant_products_hold_f32_accuracy_at_every_magnitude(qtype):
     np.testing.assert_array_equal(out[keep], np.asarray(jax.jit(qmatmul)(jnp.asarray(x[keep]), w)))
 
 
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_1, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+def test_trailing_rows_of_zeros_are_zero_and_the_rest_unchanged(qtype):
+    """A prefill chunk's padding rows reach the kernel as rows of zeros (llama.block), which it
+    writes as zeros without computing them (common.h: live_rows): the other rows are what they are
+    alone, a zero row before a live one is still computed, and a trailing row holding a NaN is not
+    taken for padding."""
+    rng = np.random.default_rng()
+    w, _ = random_matrix(rng, 40, 512, qtype)
+    x = rng.standard_normal((12, 512)).astype(np.float32)
+    x[3] = 0.0
+    x[7:] = 0.0
+    x[8, 5] = -0.0
+    for int8 in (False, True):
+        f = jax.jit(lambda x, w: qmatmul(x, w, int8_activations=int8))
+        got = np.asarray(f(jnp.asarray(x), w))
+        alone = np.concatenate([np.asarray(f(jnp.asarray(x[m:m + 1]), w)) for m in range(7)])
+        np.testing.assert_array_equal(got[:7], alone)
+        assert np.all(got[7:] == 0.0) and not np.any(np.signbit(got[7:]))
+    nan = x.copy()
+    nan[11, 100] = np.nan  # f32 activations carry it into the row's products (8-bit ones round it away)
+    assert np.all(np.isnan(np.asarray(jax.jit(qmatmul)(jnp.asarray(nan), w))[11]))
+
+
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda t: t.name)
 def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
     """From 8 rows the fixed-point kernel multiplies Q4_K/Q5_K as a GEMM over columns decoded once
