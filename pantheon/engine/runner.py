@@ -272,8 +272,8 @@ class ModelRunner:
         i = 0
         while i < len(tokens):
             chunk = tokens[i:i + chunk_length(len(tokens) - i, CHUNK_BUCKETS[-1])]
-            i += len(chunk)
             n = len(chunk)
+            i += n
             t = bucket_for(n, CHUNK_BUCKETS)
             ids = np.zeros((1, t), np.int32)
             ids[0, :n] = chunk

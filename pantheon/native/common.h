@@ -67,23 +67,11 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t threads, int64_t n, int6
 // Output columns [n0, n1) for rows [0, M) in row tiles of `Max` (8 or 4), then 4, 2 and 1 rows:
 // tile(R, m0, n) with R a std::integral_constant, so each tile size is its own instantiation.
 // A tile reads each weight block once for its rows, and every tile runs the same arithmetic per
-// row, so a row's result never depends on M.
-template <int64_t Max, class Tile>
-inline void tiled_columns(int64_t M, int64_t n0, int64_t n1, Tile&& tile) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m0 = 0;
-    if constexpr (Max >= 8)
-      for (; m0 + 8 <= M; m0 += 8) tile(std::integral_constant<int64_t, 8>{}, m0, n);
-    for (; m0 + 4 <= M; m0 += 4) tile(std::integral_constant<int64_t, 4>{}, m0, n);
-    for (; m0 + 2 <= M; m0 += 2) tile(std::integral_constant<int64_t, 2>{}, m0, n);
-    for (; m0 < M; ++m0) tile(std::integral_constant<int64_t, 1>{}, m0, n);
-  }
-}
-
-// tiled_columns' tiles in another order: columns in blocks of `block`, and every row tile runs over
-// a block before the next row tile starts, so a row tile's activations stay in L1 while the block's
-// weights (in L2) are read once a tile. For activations too large for L1 in more than one row tile
-// (kquants.h's fixed-point planes). Only the order differs: every tile's arithmetic is the same.
+// row, so a row's result never depends on M. Columns go in blocks of `block`, every row tile over
+// a block before the next row tile starts: with blocks of more than one column a row tile's
+// activations stay in L1 while the block's weights (in L2) are read once a tile (for activations
+// too large for L1 in more than one row tile: kquants.h's fixed-point planes). Only the order of
+// the tiles changes with the block.
 template <int64_t Max, class Tile>
 inline void blocked_columns(int64_t M, int64_t n0, int64_t n1, int64_t block, Tile&& tile) {
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
@@ -98,6 +86,12 @@ inline void blocked_columns(int64_t M, int64_t n0, int64_t n1, int64_t block, Ti
     for (; m0 + 2 <= M; m0 += 2) columns(std::integral_constant<int64_t, 2>{}, m0);
     for (; m0 < M; ++m0) columns(std::integral_constant<int64_t, 1>{}, m0);
   }
+}
+
+// Column by column: a column's row tiles one after another.
+template <int64_t Max, class Tile>
+inline void tiled_columns(int64_t M, int64_t n0, int64_t n1, Tile&& tile) {
+  blocked_columns<Max>(M, n0, n1, 1, tile);
 }
 
 // How many of x's M rows [M, K] come before its trailing rows of zeros: a prefill chunk's padding

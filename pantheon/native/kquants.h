@@ -674,9 +674,10 @@ constexpr int64_t kGemmBlock = 32;  // columns decoded at once: 32 x 8 super-blo
 
 // Columns a row tile of x's planes (3 bytes a weight: 24 KB for 4 rows of 2048) runs over before
 // the next row tile (blocked_columns; Q6_K's products, and Q4_K/Q5_K's under kGemmRows rows): 32
-// columns of 2048 Q4_K weights are 37 KB, in L2. An 8192 x
-// 2048 product at 8 / 16 / 32 rows, column by column -> in blocks: Q4_K 0.34 / 0.30 / 0.32 ->
-// 0.21 / 0.24 / 0.29 ms a row, Q6_K 0.33 / 0.31 / 0.31 -> 0.26 / 0.25 / 0.27 (two Zen 4 threads).
+// columns of 2048 Q4_K weights are 37 KB, in L2. An 8192 x 2048 product at 8 / 16 / 32 rows,
+// column by column -> in blocks (measured before the GEMM took Q4_K's 8 rows and more): Q4_K 0.34
+// / 0.30 / 0.32 -> 0.21 / 0.24 / 0.29 ms a row, Q6_K 0.33 / 0.31 / 0.31 -> 0.26 / 0.25 / 0.27 (two
+// Zen 4 threads).
 // K-tiled matrices keep tiled_columns' order: their tiles' planes are small already (no gain
 // measured); nor do the 8-bit kernels gain (1 byte a weight).
 constexpr int64_t kColumnBlock = 32;

@@ -295,7 +295,7 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
 
 // K-quant super-blocks (kquants.h): f32 activations, or 8-bit ones rounded to Q8_K.
 ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
-                   ffi::ResultBuffer<ffi::F32>& y, int64_t qtype, int64_t int8_activations) {
+                   ffi::ResultBuffer<ffi::F32>& y, int64_t M, int64_t qtype, int64_t int8_activations) {
   const bool tiled = is_tiled(qtype);  // read only by the fixed-point kernel (exact numerics)
   if (tiled) qtype -= kTiled;
   if (tiled && (int8_activations || !fixed_k(qtype)))
@@ -306,8 +306,6 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t M = live_rows(xp, xd[0], K);
-  std::fill(yp + M * N, yp + xd[0] * N, 0.f);
   const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
   if (int8_activations) {
@@ -352,16 +350,17 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
                    ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
-  if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, x, w, y, qtype, int8_activations);
-  const int64_t K = xd[1], N = wd[0], bb = block_bytes(qtype);
+  // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
+  const int64_t M = live_rows(x.typed_data(), xd[0], xd[1]), N = wd[0];
+  std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
+  if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, x, w, y, M, qtype, int8_activations);
+  const int64_t K = xd[1], bb = block_bytes(qtype);
   if (bb == 0) return ffi::Error::InvalidArgument("qmatmul: unsupported quant type");
   if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
   if (int8_activations && half(qtype)) return ffi::Error::InvalidArgument("qmatmul: F16/BF16 take f32 activations");
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t M = live_rows(xp, xd[0], K);
-  std::fill(yp + M * N, yp + xd[0] * N, 0.f);
   const int64_t nb = K / 32, blocks = M * nb > 0 ? M * nb : 1;
   // Waking a pool thread costs more than a small product gains from it.
   const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
