@@ -28,12 +28,18 @@ inline void prefetch_block(const uint8_t* b) {
 // signed 6-bit scale and 4-bit indices into IQ4_NL's table of 16 int8 values (no min).
 enum KType : int64_t { kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_XS = 23 };
 
+// Q4_0 and Q4_1 (qmatmul.cc's 32-weight blocks) read by the fixed-point kernels (exact numerics on
+// AVX-512 VNNI) eight blocks at a time, as a Q4_K super-block with the blocks for its sub-blocks:
+// 144 / 160 bytes, the file's, in rows of a multiple of 256 weights.
+enum GroupType : int64_t { kG4_0 = 2002, kG4_1 = 2003 };
+constexpr bool is_group(int64_t t) { return t == kG4_0 || t == kG4_1; }
+
 constexpr bool is_k(int64_t t) { return (t >= kQ2_K && t <= kQ6_K) || t == kIQ4_XS; }
 constexpr int64_t k_bytes(int64_t t) {
   return t == kQ2_K ? 84 : t == kQ3_K ? 110 : t == kQ4_K ? 144 : t == kQ5_K ? 176 : t == kQ6_K ? 210
-       : t == kIQ4_XS ? 136 : 0;
+       : t == kIQ4_XS ? 136 : t == kG4_0 ? 8 * 18 : t == kG4_1 ? 8 * 20 : 0;
 }
-constexpr int64_t k_sub(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kIQ4_XS ? 32 : 16; }  // weights per sub-block
+constexpr int64_t k_sub(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kIQ4_XS || is_group(t) ? 32 : 16; }  // weights per sub-block
 constexpr bool has_k_min(int64_t t) { return t == kQ2_K || t == kQ4_K || t == kQ5_K; }
 
 // Blocks tiled K-tile-major (qmatmul.tile_k, long rows loaded for exact numerics): tile i holds
@@ -407,7 +413,7 @@ inline void q6k_ktile(const float* x, const uint8_t* wrow, float* y, int64_t N, 
 // every tile, so a row never depends on its batch. 8192 x 2048 (cold, two Zen 4 threads), one row /
 // four, f32 kernel -> this: Q4_K 0.54 -> 0.35 / 1.44 -> 0.80 ms, Q6_K 0.73 -> 0.39 / 1.50 -> 1.01;
 // the 1 B-shape Q4_K_M decode step 42-43 -> 31 ms.
-constexpr bool fixed_k(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+constexpr bool fixed_k(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K || is_group(t); }
 
 // x's rows: per 64 weights, planes c2, c1, c0 (64 bytes each; in weight order for Q6_K, `sub` 16;
 // for Q4_K/Q5_K, `sub` 32, a super-block's four vectors v hold weights 32 s + 8 v + i at byte
@@ -534,6 +540,38 @@ inline __m512i fixed_codes32(__m512i z0, __m512i z1, const uint8_t* b, int v) {
 // Lane L of a Q4_K/Q5_K codes vector sums sub-block L / 2: the lanes' scales, from 8 of them.
 inline __m512i lane_sub32() { return _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7); }
 
+// A super-block's (or eight Q4_0/Q4_1 blocks') codes in x's sub-block order, four vectors, and its
+// scales by sub-block: lanes 0-7 each sub-block's, 8-15 its min term (weight = scale * code - min).
+// A Q4_0/Q4_1 block's 16 bytes hold weights 0-15 in their low nibbles and 16-31 in their high
+// ones: vector v's qword s is block s's bytes 8 (v % 2) .. + 7, shifted by 4 (v / 2). Q4_0's min
+// is 8 d (its codes centred), Q4_1's -m.
+template <int64_t t>
+inline __m512 fixed_group(const uint8_t* b, __m512i codes[4]) {
+  if constexpr (is_group(t)) {
+    constexpr int64_t bb = k_bytes(t) / 8, at = t == kG4_0 ? 2 : 4;
+    const auto qs = [&](int s) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bb * s + at)); };
+    __m512i z0 = _mm512_castsi128_si512(qs(0)), z1 = _mm512_castsi128_si512(qs(4));
+    z0 = _mm512_inserti32x4(z0, qs(1), 1), z1 = _mm512_inserti32x4(z1, qs(5), 1);
+    z0 = _mm512_inserti32x4(z0, qs(2), 2), z1 = _mm512_inserti32x4(z1, qs(6), 2);
+    z0 = _mm512_inserti32x4(z0, qs(3), 3), z1 = _mm512_inserti32x4(z1, qs(7), 3);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i idx = _mm512_add_epi64(_mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), _mm512_set1_epi64(v % 2));
+      const __m512i raw = _mm512_permutex2var_epi64(z0, idx, z1);
+      codes[v] = _mm512_and_si512(v < 2 ? raw : _mm512_srli_epi64(raw, 4), _mm512_set1_epi8(0x0F));
+    }
+    alignas(32) uint16_t h[16];  // d of each block, then Q4_0's d again or Q4_1's m
+    for (int s = 0; s < 8; ++s) std::memcpy(h + s, b + bb * s, 2), std::memcpy(h + 8 + s, b + bb * s + (t == kG4_0 ? 0 : 2), 2);
+    const __m512 dm = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+    const float lo = 1.f, hi = t == kG4_0 ? 8.f : -1.f;
+    return _mm512_mul_ps(dm, _mm512_setr_ps(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi));
+  } else {
+    const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
+    const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+    for (int v = 0; v < 4; ++v) codes[v] = fixed_codes32<t>(z0, z1, b, v);
+    return q4k_scales16(b);  // d * sc (lanes 0-7), dmin * mn (8-15)
+  }
+}
+
 template <int64_t t, int64_t R>
 inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t* wblocks, int64_t K, int64_t m0,
                           int64_t j0, int64_t j1, FixedAcc* st) {
@@ -545,11 +583,8 @@ inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t*
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* b = wblocks + (j - j0) * bb;
     prefetch_block<bb>(b);
-    const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
-    const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
     __m512i codes[4];
-    for (int v = 0; v < 4; ++v) codes[v] = fixed_codes32<t>(z0, z1, b, v);
-    const __m512 s16 = q4k_scales16(b);  // d * sc (lanes 0-7), dmin * mn (8-15)
+    const __m512 s16 = fixed_group<t>(b, codes);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t sb = ((m0 + r) * K) / 256 + j;  // x's super-block
       const int8_t* p = xf.planes + 768 * sb;
@@ -621,10 +656,7 @@ struct DecodedK4 {  // one column's super-block
 
 template <int64_t t>
 inline void decode_k4(const uint8_t* b, DecodedK4& o) {
-  const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
-  const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
-  for (int v = 0; v < 4; ++v) o.codes[v] = fixed_codes32<t>(z0, z1, b, v);
-  const __m512 s16 = q4k_scales16(b);
+  const __m512 s16 = fixed_group<t>(b, o.codes);
   o.scale = _mm512_permutexvar_ps(lane_sub32(), s16);
   o.mins = _mm512_extractf32x8_ps(s16, 1);
 }
@@ -752,6 +784,8 @@ inline void fixed_columns(int64_t t, const FixedRows& xf, const float* xsum, con
   switch (t) {
     case kQ4_K: fixed_columns<kQ4_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
     case kQ5_K: fixed_columns<kQ5_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
+    case kG4_0: fixed_columns<kG4_0>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
+    case kG4_1: fixed_columns<kG4_1>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
     default: fixed_columns<kQ6_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
   }
 }

@@ -354,6 +354,12 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const int64_t M = live_rows(x.typed_data(), xd[0], xd[1]), N = wd[0];
   std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
   if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, x, w, y, M, qtype, int8_activations);
+#if defined(PANTHEON_FIXED_K)
+  // Q4_0/Q4_1 with f32 activations: eight blocks at a time as a K-quant super-block, x in fixed
+  // point (kquants.h: fixed_group); rows of other lengths take the f32 kernel below
+  if ((qtype == kQ4_0 || qtype == kQ4_1) && !int8_activations && xd[1] % 256 == 0)
+    return KMatmul(pool, x, w, y, M, qtype == kQ4_0 ? kG4_0 : kG4_1, 0);
+#endif
   const int64_t K = xd[1], bb = block_bytes(qtype);
   if (bb == 0) return ffi::Error::InvalidArgument("qmatmul: unsupported quant type");
   if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");

@@ -136,15 +136,18 @@ def test_trailing_rows_of_zeros_are_zero_and_the_rest_unchanged(qtype):
     assert np.all(np.isnan(np.asarray(jax.jit(qmatmul)(jnp.asarray(nan), w))[11]))
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
 def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
     """From 8 rows the fixed-point kernel multiplies Q4_K/Q5_K as a GEMM over columns decoded once
     (kquants.h: fixed_gemm32, 2-row x 4-column tiles): every row of a 19-row product equals that
     row's product alone bit for bit (an odd last row, 70 columns that do not fill the tiles), row
-    major and K-tiled, and holds f32's error of the float64 product. Elsewhere the same holds for
-    the row tiles every CPU runs."""
+    major and K-tiled, and holds f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
+    of 256 weights go the same way, eight blocks as one super-block (kquants.h: fixed_group), and
+    other lengths (576) through the f32 kernel. Elsewhere the same holds for the row tiles every
+    CPU runs."""
     rng = np.random.default_rng()
-    for n_in, tiled in ((512, False), (4096, True)):
+    shapes = ((512, False), (4096, True)) if qtype in (Q.Q4_K, Q.Q5_K) else ((512, False), (576, False), (2048, False))
+    for n_in, tiled in shapes:
         if tiled and not build.fixed_point():
             continue  # only the AVX-512 VNNI kernel reads K tiles
         w, dense = random_matrix(rng, 70, n_in, qtype)
@@ -275,17 +278,21 @@ def test_qmatmul_keeps_leading_axes_and_embeds_rows(qtype):
 def test_packed_4bit_blocks_read_bit_for_bit_as_their_unpacked_form(qtype):
     """Q4_0/Q4_1 stay at the file's bytes: the kernel splits the nibbles in registers. The result
     is the unpacked layout's (Q8_0 / U4_1, one byte per code) bit for bit, f32 and 8-bit
-    activations alike, at any batch."""
+    activations alike, at any batch — except f32 activations against rows of a multiple of 256
+    weights where the fixed-point kernel reads them (AVX-512 VNNI: test_k_quant_gemm_rows_...)."""
     rng = np.random.default_rng()
-    packed = quantize_np(rng.standard_normal((300, 512)).astype(np.float32), qtype).reshape(300, -1)
-    assert unpack_nibbles(packed, int(qtype)) == (packed, int(qtype))  # what the models load
-    blocks, layout = unpack_nibbles(packed, int(qtype), {Q.Q4_0: Q.Q8_0, Q.Q4_1: U4_1})
-    wp, wu = QMatrix(jnp.asarray(packed), int(qtype), 512), QMatrix(jnp.asarray(blocks), layout, 512)
-    for m in (1, 3, 8):
-        x = jnp.asarray(rng.standard_normal((m, 512)).astype(np.float32))
-        for int8 in (False, True):
-            f = jax.jit(lambda x, w, int8=int8: qmatmul(x, w, int8_activations=int8))
-            np.testing.assert_array_equal(np.asarray(f(x, wp)), np.asarray(f(x, wu)))
+    for n_in in (576, 512):
+        packed = quantize_np(rng.standard_normal((300, n_in)).astype(np.float32), qtype).reshape(300, -1)
+        assert unpack_nibbles(packed, int(qtype)) == (packed, int(qtype))  # what the models load
+        blocks, layout = unpack_nibbles(packed, int(qtype), {Q.Q4_0: Q.Q8_0, Q.Q4_1: U4_1})
+        wp, wu = QMatrix(jnp.asarray(packed), int(qtype), n_in), QMatrix(jnp.asarray(blocks), layout, n_in)
+        for m in (1, 3, 8):
+            x = jnp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
+            for int8 in (False, True):
+                if not int8 and n_in % 256 == 0 and build.fixed_point():
+                    continue
+                f = jax.jit(lambda x, w, int8=int8: qmatmul(x, w, int8_activations=int8))
+                np.testing.assert_array_equal(np.asarray(f(x, wp)), np.asarray(f(x, wu)))
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1), ids=lambda t: t.name)
@@ -481,7 +488,7 @@ def test_a_prefill_chunk_dequantizes_one_matrix_at_a_time():
 
 def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monkeypatch):
     """Where the fixed-point K-quant kernel runs (AVX-512 VNNI) it keeps Q4_K/Q5_K chunks of up to
-    256 rows (its GEMM) and Q6_K ones of up to 48 (64 for large matrices) from the
+    256 rows (its GEMM; Q4_0/Q4_1 too where a row is a multiple of 256 weights) and Q6_K ones of up to 48 (64 for large matrices) from the
     dequantize-and-GEMM path; elsewhere, and for other types, 16 (32); a K-tiled matrix counts as
     its block type."""
     from pantheon.native import qmatmul as qm
@@ -503,6 +510,9 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
             assert qm.kernel_rows(QMatrix(tiled.blocks, tiled.qtype + TILED, tiled.n_in)) == large_rows
         assert qm.kernel_rows(matrix(Q.Q8_0, *small)) == 16 and qm.kernel_rows(matrix(Q.Q8_0, *large)) == 32
         assert qm.kernel_rows(matrix(Q.Q3_K, *large)) == 32
+        for qtype in (Q.Q4_0, Q.Q4_1):  # rows of a multiple of 256 weights: the K-quant GEMM's
+            assert qm.kernel_rows(matrix(qtype, *large)) == (qm.GEMM_KERNEL_ROWS if fixed else 32)
+            assert qm.kernel_rows(matrix(qtype, 2048, 576)) == 16
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
