@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -256,3 +257,20 @@ def test_a_prompt_goes_in_chunks_that_waste_few_padded_rows():
             whole = [limit] * (int(n) // limit) + ([int(n) % limit] if n % limit else [])
             cost = [sum(bucket_for(c, CHUNK_BUCKETS) for c in cs) + CHUNK_SPLIT_ROWS * len(cs) for cs in (got, whole)]
             assert cost[0] <= cost[1], (n, limit, got)
+
+
+def test_an_idle_device_thread_hands_freed_pages_back_once(engine, monkeypatch):
+    """When the last request is done, the device thread hands the allocator's free pages back to
+    the OS (a long chunk's dequantized matrices are freed but kept by tcmalloc otherwise), once
+    per stretch of work: not on every idle poll, and not while sequences still run."""
+    import pantheon.engine.scheduler as sched
+
+    calls = []
+    monkeypatch.setattr(sched, "release_free_memory", lambda: calls.append(len(engine.scheduler.running)) or "")
+    end = run_events(engine, request(prompt_of(20, 3), max_tokens=4))[-1]
+    assert isinstance(end, RequestEnd)
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.2)  # an idle poll or more: no second release without new work
+    assert calls == [0]
