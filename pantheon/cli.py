@@ -480,11 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and args.command in ("generate", "bench", "serve", "profile"):
         reexec_with_tcmalloc(sys.argv)
     from pantheon.default_model import DefaultModelError
+    from pantheon.engine.httpbench import BenchError
     from pantheon.engine.pool import PoolError
     from pantheon.gguf.reader import GGUFError
 
     try:
         return args.func(args)
-    except (GGUFError, DefaultModelError, PoolError) as e:
+    except (GGUFError, DefaultModelError, PoolError, BenchError) as e:
         print(f"pantheon: {' '.join(str(e).splitlines())}", file=sys.stderr)  # one line
         return 1

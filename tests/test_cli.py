@@ -162,3 +162,12 @@ def test_generate_refuses_a_model_past_the_host_budget_in_one_line(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.startswith("pantheon:")]
     assert len(lines) == 1 and "admission refused" in lines[0] and "MiB" in lines[0], r.stderr
     assert "Traceback" not in r.stderr and "loading model" not in r.stderr
+
+
+def test_bench_against_a_server_that_refuses_is_one_line_and_exit_1(smollm2_path):
+    """A measured server that is not there (or answers errors) ends the bench with one line naming
+    it and the first failure, not client threads' tracebacks."""
+    r = pantheon("bench", "--model", str(smollm2_path), "--url", "http://127.0.0.1:9", "--concurrency", "1", timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = [line for line in r.stderr.strip().splitlines() if "Traceback" in line or line.startswith("pantheon")]
+    assert lines == ["pantheon: http://127.0.0.1:9: 1 request(s) failed (first: ConnectError: [Errno 111] Connection refused)"]

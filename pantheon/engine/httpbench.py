@@ -55,6 +55,13 @@ class LevelResult:
 RAW_COMPLETIONS = False
 
 
+class BenchError(RuntimeError):
+    """A measured request failed: the server and the first failure, in one line."""
+
+
+REQUEST_ERRORS = (httpx.HTTPError, OSError, ValueError, KeyError)  # refused, HTTP status, bad stream
+
+
 def _one(url: str, model: str | None, max_tokens: int, logit_bias: dict, prompt: str, out: list,
          usage_out: dict | None = None) -> None:
     body = {"max_tokens": max_tokens, "temperature": 0.7, "stream": True, "stream_options": {"include_usage": True},
@@ -88,17 +95,25 @@ def run_level(url: str, concurrency: int, max_tokens: int, logit_bias: dict, mod
               rounds: int = 1, first_prompt: int = 0) -> LevelResult:
     """`concurrency` streaming clients at once (each with its own prompt), `rounds` times."""
     results: list = []
+    errors: list[str] = []
+
+    def client(prompt: str) -> None:  # a failed request is counted and named, not a thread's traceback
+        try:
+            _one(url, model, max_tokens, logit_bias, prompt, results)
+        except REQUEST_ERRORS as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
     start = time.perf_counter()
     for r in range(rounds):
-        threads = [threading.Thread(target=_one, args=(url, model, max_tokens, logit_bias,
-                                                        prompt_for(first_prompt + r * concurrency + i), results))
+        threads = [threading.Thread(target=client, args=(prompt_for(first_prompt + r * concurrency + i),))
                    for i in range(concurrency)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     if len(results) != concurrency * rounds:
-        raise RuntimeError(f"{url}: {concurrency * rounds - len(results)} request(s) failed")
+        first = f" (first: {errors[0]})" if errors else ""
+        raise BenchError(f"{url}: {concurrency * rounds - len(results)} request(s) failed{first}")
     wall = time.perf_counter() - start
     tokens = sum(r[3] for r in results)
     ttfts = sorted(r[1] for r in results)
@@ -128,7 +143,10 @@ class LongPromptResult:
 def long_prompt_ttft(url: str, n_words: int, logit_bias: dict, model: str | None = None, index: int = 0) -> LongPromptResult:
     """One streaming request with a long prompt alone on the server: time to its first token."""
     out: list = []
-    _one(url, model, 2, logit_bias, long_prompt_for(index, n_words), out, usage_out := {})
+    try:
+        _one(url, model, 2, logit_bias, long_prompt_for(index, n_words), out, usage_out := {})
+    except REQUEST_ERRORS as e:
+        raise BenchError(f"{url}: the long prompt failed ({type(e).__name__}: {e})") from None
     return LongPromptResult(usage_out.get("prompt_tokens", 0), 1000 * out[0][1])
 
 

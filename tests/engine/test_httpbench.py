@@ -74,9 +74,13 @@ def test_compare_alternates_servers_with_distinct_prompts_and_reports_ratios(ser
     assert all(r["aggregate"] > 1 for r in ratios)
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_failed_request_fails_the_level():
-    with pytest.raises(Exception):
-        httpbench.run_level("http://127.0.0.1:9", 1, 4, {})
+    """A refused connection fails the level with one line naming it, not a client thread's traceback."""
+    with pytest.raises(httpbench.BenchError, match=r"2 request\(s\) failed \(first: ConnectError"):
+        httpbench.run_level("http://127.0.0.1:9", 2, 4, {})
+    with pytest.raises(httpbench.BenchError, match=r"the long prompt failed \(ConnectError"):
+        httpbench.long_prompt_ttft("http://127.0.0.1:9", 10, {})
 
 
 def test_long_prompt_ttft_and_each_local_servers_memory(servers):
