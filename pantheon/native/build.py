@@ -3,7 +3,9 @@
 XLA:CPU lacks two things decode needs: a matmul that reads quantized weights, and attention that
 reads a slot's cache in place at memory speed. Both are C++ here, called from inside the compiled
 programs as XLA FFI custom calls (jax.ffi), each beside its jnp reference (qmatmul.py,
-attention.py). They use XLA's intra-op thread pool, so they add no threads of their own.
+attention.py). Their parallel loops run on helper threads of their own (common.h: Helpers, one per
+extra core of XLA's intra-op pool), which spin between a decode step's calls and sleep after it;
+a loop that finds them busy runs on XLA's pool.
 
 The shared library is compiled on first use with the system C++ compiler for this CPU
 (-march=native; PANTHEON_NATIVE_ISA=avx2 builds the 8-wide AVX2 paths instead, which is how the

@@ -5,10 +5,13 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 
@@ -37,28 +40,103 @@ inline float hsum(v8f v) {  // a fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7))
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-// Items [0, n) in chunks of `chunk`, on this thread and up to `threads - 1` pool threads. Helpers
-// take chunks from one counter; one that starts after the last chunk is taken does nothing, and
-// only `work` (shared) outlives this call, so `body` may reference the caller's stack.
+// One parallel loop: items [0, n) in chunks of `chunk`, taken from one counter by every thread
+// that runs it.
+struct ParallelLoop {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t n = 0, chunk = 1, chunks = 0;
+  const std::function<void(int64_t, int64_t)>* body = nullptr;
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+      const int64_t i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
+      (*body)(i0, i1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Helper threads of the kernels' own that spin a while after each loop before they sleep. A decode
+// step is ~100 kernel calls a few tens of microseconds apart; a pool thread woken for each
+// (XLA's, through Schedule) started 32 us late on average in a 1 B-shape step on this 2-core VM, a
+// third of a small product's time, with this thread working alone meanwhile. These take the next
+// loop within a microsecond while the step runs, and sleep once it is over (kSpinNs without a
+// loop). One loop at a time holds them; a concurrent one (another model's thread) uses the pool.
+class Helpers {
+ public:
+  static constexpr int64_t kSpinNs = 200000;
+
+  static Helpers& get(int64_t count) {
+    static Helpers* helpers = new Helpers(count);  // never destroyed: its threads sleep at exit
+    return *helpers;
+  }
+  int64_t count() const { return count_; }
+
+  // Runs `loop` here and on the helpers; false, having run nothing, while another loop holds them.
+  bool run(ParallelLoop& loop) {
+    bool expected = false;
+    if (!busy_.compare_exchange_strong(expected, true, std::memory_order_acquire)) return false;
+    loop_.store(&loop);
+    epoch_.fetch_add(1);
+    if (sleeping_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      wake_.notify_all();
+    }
+    loop.run();
+    while (loop.done.load(std::memory_order_acquire) < loop.chunks) _mm_pause();
+    // A helper that read `loop` counts itself in active_ first (all seq_cst): once the pointer is
+    // cleared and active_ reads 0, none touches this stack frame's loop again.
+    loop_.store(nullptr);
+    while (active_.load() > 0) _mm_pause();
+    busy_.store(false, std::memory_order_release);
+    return true;
+  }
+
+ private:
+  explicit Helpers(int64_t count) : count_(count) {
+    for (int64_t i = 0; i < count; ++i) std::thread([this] { serve(); }).detach();
+  }
+
+  void serve() {
+    uint64_t seen = epoch_.load();
+    for (;;) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int spins = 0; epoch_.load() == seen; ++spins) {
+        _mm_pause();
+        if ((spins & 255) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::nanoseconds(kSpinNs)) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          sleeping_.fetch_add(1);
+          wake_.wait(lock, [&] { return epoch_.load() != seen; });
+          sleeping_.fetch_sub(1);
+        }
+      }
+      seen = epoch_.load();
+      active_.fetch_add(1);
+      if (ParallelLoop* loop = loop_.load()) loop->run();
+      active_.fetch_sub(1);
+    }
+  }
+
+  const int64_t count_;
+  std::atomic<bool> busy_{false};
+  std::atomic<ParallelLoop*> loop_{nullptr};
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> active_{0}, sleeping_{0};
+  std::mutex mutex_;
+  std::condition_variable wake_;
+};
+
+// Items [0, n) in chunks of `chunk`, on this thread and up to `threads - 1` others: the spinning
+// helpers, or (while they run another loop) XLA's pool threads, which hold the loop by a shared
+// pointer so that one starting after the last chunk touches nothing of this frame. `body` may
+// reference the caller's stack.
 inline void parallel_for(ffi::ThreadPool& pool, int64_t threads, int64_t n, int64_t chunk,
                          const std::function<void(int64_t, int64_t)>& body) {
-  struct Work {
-    std::atomic<int64_t> next{0}, done{0};
-    int64_t n = 0, chunk = 1, chunks = 0;
-    const std::function<void(int64_t, int64_t)>* body = nullptr;
-    void run() {
-      for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-        const int64_t i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
-        (*body)(i0, i1);
-        done.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  auto work = std::make_shared<Work>();
+  auto work = std::make_shared<ParallelLoop>();
   work->n = n;
   work->chunk = chunk > 0 ? chunk : 1;
   work->chunks = (n + work->chunk - 1) / work->chunk;
   work->body = &body;
+  if (threads > 1 && work->chunks > 1 && Helpers::get(pool.num_threads() > 1 ? pool.num_threads() - 1 : 1).run(*work)) return;
   for (int64_t i = 1; i < threads && i < work->chunks; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();

@@ -12,7 +12,7 @@
 // Every output element is computed by the same instruction sequence whatever M is (rows are never
 // mixed, and a row's quantization reads only that row), so a row's result does not depend on its
 // batch-mates: batching never changes a greedy result. The work is split by output columns over
-// XLA's intra-op thread pool.
+// the cores (common.h: parallel_for).
 #include <algorithm>
 #include <cmath>
 

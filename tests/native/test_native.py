@@ -574,3 +574,31 @@ def test_llamacpp_numerics_keep_the_jnp_prefill_attention():
     assert kern.for_numerics(chosen, "exact") == chosen
     assert dict(kern.for_numerics(chosen, "llamacpp")) == {kern.ATTENTION_DECODE: "native",
                                                            kern.ATTENTION_PREFILL: "reference", kern.MOE_Q3K: "reference"}
+
+
+def test_products_from_several_threads_at_once_are_each_their_own():
+    """The kernels' parallel loops run on helper threads of their own that spin between loops
+    (common.h: Helpers), one loop at a time; a loop started while another holds them (a second
+    model's device thread) runs on XLA's pool instead. Four threads multiplying at once, many
+    times over, each get exactly the product they get alone."""
+    import threading
+
+    rng = np.random.default_rng()
+    w, _ = random_matrix(rng, 512, 1024, Q.Q4_K)
+    xs = [jnp.asarray(rng.standard_normal((m, 1024)).astype(np.float32)) for m in (1, 2, 3, 4)]
+    f = jax.jit(qmatmul)
+    alone = [np.asarray(f(x, w)) for x in xs]
+    wrong = []
+
+    def worker(i):
+        for _ in range(40):
+            got = np.asarray(f(xs[i], w))
+            if not np.array_equal(got, alone[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and wrong == []
