@@ -82,11 +82,11 @@ class Helpers {
       wake_.notify_all();
     }
     loop.run();
-    while (loop.done.load(std::memory_order_acquire) < loop.chunks) _mm_pause();
+    for (int spins = 0; loop.done.load(std::memory_order_acquire) < loop.chunks; ++spins) pause(spins);
     // A helper that read `loop` counts itself in active_ first (all seq_cst): once the pointer is
     // cleared and active_ reads 0, none touches this stack frame's loop again.
     loop_.store(nullptr);
-    while (active_.load() > 0) _mm_pause();
+    for (int spins = 0; active_.load() > 0; ++spins) pause(spins);
     busy_.store(false, std::memory_order_release);
     return true;
   }
@@ -96,12 +96,19 @@ class Helpers {
     for (int64_t i = 0; i < count; ++i) std::thread([this] { serve(); }).detach();
   }
 
+  // A spinning thread yields its core now and then: where threads outnumber free cores, the one
+  // it waits for (or XLA's between the kernels) gets to run.
+  static void pause(int spins) {
+    _mm_pause();
+    if ((spins & 63) == 63) std::this_thread::yield();
+  }
+
   void serve() {
     uint64_t seen = epoch_.load();
     for (;;) {
       const auto t0 = std::chrono::steady_clock::now();
       for (int spins = 0; epoch_.load() == seen; ++spins) {
-        _mm_pause();
+        pause(spins);
         if ((spins & 255) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::nanoseconds(kSpinNs)) {
           std::unique_lock<std::mutex> lock(mutex_);
           sleeping_.fetch_add(1);
