@@ -40,6 +40,8 @@ inline float hsum(v8f v) {  // a fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7))
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
+inline int64_t pool_threads(ffi::ThreadPool& pool) { return pool.num_threads() > 0 ? pool.num_threads() : 1; }
+
 // One parallel loop: items [0, n) in chunks of `chunk`, taken from one counter by every thread
 // that runs it.
 struct ParallelLoop {
@@ -69,7 +71,6 @@ class Helpers {
     static Helpers* helpers = new Helpers(count);  // never destroyed: its threads sleep at exit
     return *helpers;
   }
-  int64_t count() const { return count_; }
 
   // Runs `loop` here and on the helpers; false, having run nothing, while another loop holds them.
   bool run(ParallelLoop& loop) {
@@ -92,7 +93,7 @@ class Helpers {
   }
 
  private:
-  explicit Helpers(int64_t count) : count_(count) {
+  explicit Helpers(int64_t count) {
     for (int64_t i = 0; i < count; ++i) std::thread([this] { serve(); }).detach();
   }
 
@@ -123,7 +124,6 @@ class Helpers {
     }
   }
 
-  const int64_t count_;
   std::atomic<bool> busy_{false};
   std::atomic<ParallelLoop*> loop_{nullptr};
   std::atomic<uint64_t> epoch_{0};
@@ -143,7 +143,7 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t threads, int64_t n, int6
   work->chunk = chunk > 0 ? chunk : 1;
   work->chunks = (n + work->chunk - 1) / work->chunk;
   work->body = &body;
-  if (threads > 1 && work->chunks > 1 && Helpers::get(pool.num_threads() > 1 ? pool.num_threads() - 1 : 1).run(*work)) return;
+  if (threads > 1 && work->chunks > 1 && Helpers::get(pool_threads(pool) - 1).run(*work)) return;
   for (int64_t i = 1; i < threads && i < work->chunks; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
@@ -189,6 +189,5 @@ inline int64_t live_rows(const float* x, int64_t M, int64_t K) {
   return 0;
 }
 
-inline int64_t pool_threads(ffi::ThreadPool& pool) { return pool.num_threads() > 0 ? pool.num_threads() : 1; }
 
 }  // namespace pantheon
