@@ -47,6 +47,8 @@ LARGE_MATRIX = 1 << 22
 # 21.4-21.7, 49152 x 2048 Q6_K 123 against 154 (level at 96); 2048 x 8192 (K tiles) at 64 rows Q4_K
 # 20.0-24.6 against 21.6-23.0, Q6_K 23.7-28.8 against 24.4-26.4 (level; at 32 rows 10.4 against
 # 17.5, 13.1-15.1 against 18.5-21.1).
+# (Q6_K's from 8 rows as a GEMM too, kquants.h: fixed_gemm16; at 128 rows level with dequantize-and-
+# GEMM on a Zen 5, so these limits stand.)
 FIXED_KERNEL_ROWS, FIXED_LARGE_KERNEL_ROWS = 48, 64
 # From 8 rows its Q4_K/Q5_K products run as a GEMM over columns decoded once (kquants.h:
 # fixed_gemm32), level with dequantize-and-GEMM at 256 rows: 8192 x 2048 Q4_K at 64 / 128 / 256 /

@@ -136,17 +136,17 @@ def test_trailing_rows_of_zeros_are_zero_and_the_rest_unchanged(qtype):
     assert np.all(np.isnan(np.asarray(jax.jit(qmatmul)(jnp.asarray(nan), w))[11]))
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
 def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
-    """From 8 rows the fixed-point kernel multiplies Q4_K/Q5_K as a GEMM over columns decoded once
-    (kquants.h: fixed_gemm32, 2-row x 4-column tiles): every row of a 19-row product equals that
+    """From 8 rows the fixed-point kernel multiplies Q4_K/Q5_K/Q6_K as a GEMM over columns decoded
+    once (kquants.h: fixed_gemm32, fixed_gemm16; 2-row x 4-column tiles): every row of a 19-row product equals that
     row's product alone bit for bit (an odd last row, 70 columns that do not fill the tiles), row
     major and K-tiled, and holds f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
     of 256 weights go the same way, eight blocks as one super-block (kquants.h: fixed_group), and
     other lengths (576) through the f32 kernel. Elsewhere the same holds for the row tiles every
     CPU runs."""
     rng = np.random.default_rng()
-    shapes = ((512, False), (4096, True)) if qtype in (Q.Q4_K, Q.Q5_K) else ((512, False), (576, False), (2048, False))
+    shapes = ((512, False), (4096, True)) if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else ((512, False), (576, False), (2048, False))
     for n_in, tiled in shapes:
         if tiled and not build.fixed_point():
             continue  # only the AVX-512 VNNI kernel reads K tiles
