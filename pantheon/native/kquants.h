@@ -709,8 +709,8 @@ inline void fixed_gemm32(const FixedRows& xf, const float* xsum, const DecodedK4
 // for four columns. A product's arithmetic is fixed_ktile16's, bit for bit: per 64 weights the
 // same exact integer sum, converted and multiply-added with d * sc times x's power of two
 // (permuted to the vector's lanes: permuting commutes with the lane-wise product), then the -32
-// term once a super-block, in the same order. 2048 x 8192 (K-tiled) at 16 / 64 rows: 4.0 / 17.2
-// -> 1.7 / 6.4 ms (two Zen 5 threads).
+// term once a super-block, in the same order. 2048 x 8192 (K-tiled) at 16 / 64 rows: 4.0 / 16.6
+// -> 2.0 / 7.8 ms (two Zen 5 threads; dequantize + GEMM 6.9 / 10.7).
 struct DecodedK6 {  // one column's super-block
   __m512i codes[4];  // weights 64 q .. 64 q + 63
   __m512 scale;      // d * sc per 16 weights
