@@ -189,5 +189,4 @@ inline int64_t live_rows(const float* x, int64_t M, int64_t K) {
   return 0;
 }
 
-
 }  // namespace pantheon

@@ -607,6 +607,14 @@ inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t*
   for (int64_t r = 0; r < R; ++r) st[r].acc = acc[r], st[r].macc = _mm512_castps256_ps512(macc[r]);
 }
 
+// A Q6_K super-block's d * sc per 16 weights (16 lanes), and which sub-block of vector q's 64
+// weights a lane of its dot products sums (lane_sub16() + 4 q): shared by its row tiles and GEMM.
+inline __m512 q6k_scales16(const uint8_t* b) {
+  return _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),
+                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+}
+inline __m512i lane_sub16() { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
+
 // Q6_K in weight order (`sub` 16): 64 codes a vector, lanes 4 i .. 4 i + 3 sub-block 4 q + i; each
 // vector's three planes combined in int32 (4 products a lane: at most 4 * 63 * 2^22) and scaled at
 // once. (Codes in sub-block order, as Q4_K's, cost more to gather from ql/qh than they save: 0.39
@@ -615,14 +623,13 @@ template <int64_t R>
 inline void fixed_ktile16(const FixedRows& xf, const float* xsum, const uint8_t* wblocks, int64_t K, int64_t m0,
                           int64_t j0, int64_t j1, FixedAcc* st) {
   constexpr int64_t bb = k_bytes(kQ6_K);
-  const __m512i lane_sub = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i lane_sub = lane_sub16();
   __m512 acc[R], macc[R];  // macc: the -32 term
   for (int64_t r = 0; r < R; ++r) acc[r] = st[r].acc, macc[r] = st[r].macc;
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* b = wblocks + (j - j0) * bb;
     prefetch_block<bb>(b);
-    const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),  // d * sc per 16
-                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+    const __m512 s16 = q6k_scales16(b);  // d * sc per 16
     __m512 sx[R];  // per row: d * sc * x's power of two, by sub-block
     for (int64_t r = 0; r < R; ++r) sx[r] = _mm512_mul_ps(s16, _mm512_loadu_ps(xf.scale + 16 * (((m0 + r) * K) / 256 + j)));
     for (int q = 0; q < 4; ++q) {
@@ -718,14 +725,13 @@ struct DecodedK6 {  // one column's super-block
 
 inline void decode_k6(const uint8_t* b, DecodedK6& o) {
   for (int q = 0; q < 4; ++q) o.codes[q] = fixed_codes6(b, q);
-  o.scale = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),
-                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+  o.scale = q6k_scales16(b);
 }
 
 template <int64_t R, int64_t C>
 inline void fixed_gemm16(const FixedRows& xf, const float* xsum, const DecodedK6* col, int64_t nsb, int64_t K,
                          int64_t m0, FixedAcc* st) {
-  const __m512i lane_sub = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i lane_sub = lane_sub16();
   __m512 acc[R * C];
   for (int64_t i = 0; i < R * C; ++i) acc[i] = st[i].acc;
   for (int64_t j = 0; j < nsb; ++j) {

@@ -32,11 +32,10 @@ enum QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kIQ4_NL = 20, 
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-// Weights stream once per step from memory: fetch this far ahead of the block being read (the
-// hardware prefetcher alone left a batch-1 step of the default model ~8 % slower). 2 KiB, not 1, on
-// a Zen 5 (kquants.h: kPrefetchAhead): the 1 B Q8_0 decode 33.6 / 36.5 / 30.6 -> 37.9 / 38.2 / 34.6
-// tok/s, alternating runs; the default model level.
-constexpr int64_t PREFETCH = 2048;
+// Weights stream once per step from memory: each block's first line is fetched kquants.h's
+// kPrefetchAhead bytes ahead (the hardware prefetcher alone left a batch-1 step of the default
+// model ~8 % slower; 2 KiB, not 1, on a Zen 5: the 1 B Q8_0 decode 33.6 / 36.5 / 30.6 -> 37.9 /
+// 38.2 / 34.6 tok/s, alternating runs, the default model level).
 
 constexpr int64_t block_bytes(int64_t t) {
   return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 || t == kIQ4_NL ? 18 : t == kQ4_1 ? 20
@@ -146,7 +145,7 @@ inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* 
   for (int64_t j = 0; j < nb; ++j) {
     vkf w[nv];
     float d, mn;
-    _mm_prefetch(reinterpret_cast<const char*>(wrow + j * bb) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wrow + j * bb) + kPrefetchAhead, _MM_HINT_T0);
     dequant_wide<t>(wrow + j * bb, w, d, mn);
     for (int64_t r = 0; r < R; ++r) {
       const float* xr = x + (m0 + r) * K + j * 32;
@@ -238,7 +237,7 @@ inline void tile8(const Q8Rows& a, const uint8_t* wrow, float* y, int64_t N, int
   for (int64_t j = 0; j < nb; ++j) {
     __m256i w, sign = _mm256_setzero_si256();
     float d, mn;
-    _mm_prefetch(reinterpret_cast<const char*>(wrow + j * bb) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wrow + j * bb) + kPrefetchAhead, _MM_HINT_T0);
     block_bytes8<t>(wrow + j * bb, w, sign, d, mn);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
