@@ -53,7 +53,7 @@ constexpr bool has_k_min(int64_t t) { return t == kQ2_K || t == kQ4_K || t == kQ
 // 0.65 ms for Q4_K / Q6_K against 0.35 / 0.39 for the same bytes in rows of 2048).
 constexpr int64_t kTileBlocks = 8;
 constexpr int64_t kTiled = 1000;  // a K type's id + kTiled: its blocks tiled so (qmatmul.py TILED)
-constexpr bool is_tiled(int64_t t) { return t == kTiled + kQ4_K || t == kTiled + kQ5_K || t == kTiled + kQ6_K; }
+constexpr bool is_tiled(int64_t t) { return t > kTiled && is_k(t - kTiled) && t - kTiled != kIQ4_XS; }  // Q2_K..Q6_K
 
 // Byte offset of row n's super-block j in a matrix of N rows of nsb super-blocks of bb bytes.
 inline int64_t block_offset(bool tiled, int64_t n, int64_t j, int64_t N, int64_t nsb, int64_t bb) {
@@ -417,7 +417,7 @@ inline void q6k_ktile(const float* x, const uint8_t* wrow, float* y, int64_t N, 
 // every tile, so a row never depends on its batch. 8192 x 2048 (cold, two Zen 4 threads), one row /
 // four, f32 kernel -> this: Q4_K 0.54 -> 0.35 / 1.44 -> 0.80 ms, Q6_K 0.73 -> 0.39 / 1.50 -> 1.01;
 // the 1 B-shape Q4_K_M decode step 42-43 -> 31 ms.
-constexpr bool fixed_k(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K || is_group(t); }
+constexpr bool fixed_k(int64_t t) { return (is_k(t) && t != kIQ4_XS) || is_group(t); }
 
 // x's rows: per 64 weights, planes c2, c1, c0 (64 bytes each; in weight order for Q6_K, `sub` 16;
 // for Q4_K/Q5_K, `sub` 32, a super-block's four vectors v hold weights 32 s + 8 v + i at byte
@@ -607,41 +607,82 @@ inline void fixed_ktile32(const FixedRows& xf, const float* xsum, const uint8_t*
   for (int64_t r = 0; r < R; ++r) st[r].acc = acc[r], st[r].macc = _mm512_castps256_ps512(macc[r]);
 }
 
-// A Q6_K super-block's d * sc per 16 weights (16 lanes), and which sub-block of vector q's 64
-// weights a lane of its dot products sums (lane_sub16() + 4 q): shared by its row tiles and GEMM.
+// The 16-weight sub-block types (Q2_K, Q3_K, Q6_K) in weight order (`sub` 16): a super-block's
+// unsigned codes, 64 a vector (weights 64 q .. 64 q + 63), its scale per 16 (lanes) and the
+// coefficient of x's sum over each 16: w = scale * code - term_scale(t) * term. Q6_K: d * sc and
+// code - 32, Q3_K: d * sc and code - 4 (the hmask bit set adds 4), both with term = scale; Q2_K:
+// d * sc and dmin * mn. Lane L of vector q's dot products sums sub-block 4 q + L / 4
+// (lane_sub16() + 4 q). Shared by the row tiles and the GEMM.
+constexpr float term_scale(int64_t t) { return t == kQ6_K ? 32.f : t == kQ3_K ? 4.f : 1.f; }
 inline __m512 q6k_scales16(const uint8_t* b) {
   return _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 208)),
                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
 }
+template <int64_t t>
+inline __m512 scales16(const uint8_t* b, __m512& term) {
+  if constexpr (t == kQ6_K) {
+    return term = q6k_scales16(b);
+  } else if constexpr (t == kQ3_K) {
+    alignas(16) int8_t s[16];
+    q3k_scales(b, s);
+    return term = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 108)),
+                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s)))));
+  } else {  // Q2_K: a byte per 16, the scale in its low nibble and the min in its high one
+    const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    term = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)));
+    return _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(0xF))));
+  }
+}
 inline __m512i lane_sub16() { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
 
-// Q6_K in weight order (`sub` 16): 64 codes a vector, lanes 4 i .. 4 i + 3 sub-block 4 q + i; each
-// vector's three planes combined in int32 (4 products a lane: at most 4 * 63 * 2^22) and scaled at
-// once. (Codes in sub-block order, as Q4_K's, cost more to gather from ql/qh than they save: 0.39
-// -> 0.51 ms for an 8192 x 2048 product at one row.) xsum: x's sums per 16, for ggml's -32.
-template <int64_t R>
+// Q2_K/Q3_K: vector q's 64 weights are groups 2 v and 2 v + 1 (v = q % 2) of 128-weight half n =
+// q / 2, each 32 bytes of qs (at 32 n) shifted by 2 per group: the 32 bytes in both halves of the
+// register, shifted 4 v in the low half and 4 v + 2 in the high one. Q3_K's third bit is hmask bit
+// 4 n + group of the same byte index (0..31), moved to bit 2. Word shifts move bits across bytes;
+// the masks keep only those that belong.
+template <int64_t t>
+inline __m512i fixed_codes16(const uint8_t* b, int q) {
+  if constexpr (t == kQ6_K) return fixed_codes6(b, q);
+  const int n = q / 2, v = q % 2;
+  const auto both = [](const uint8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(both(b + (t == kQ3_K ? 32 : 16) + 32 * n), halves16(4 * v, 4 * v + 2)),
+                                       _mm512_set1_epi8(0x03));
+  if constexpr (t == kQ2_K) return low;
+  const int bit = 4 * n + 2 * v;  // the low half's; the high half's is the next
+  const __m512i hm = both(b);
+  const __m512i at2 = bit >= 2 ? _mm512_srlv_epi16(hm, halves16(bit - 2, bit - 1)) : _mm512_sllv_epi16(hm, halves16(2, 1));
+  return _mm512_ternarylogic_epi32(low, at2, _mm512_set1_epi8(0x04), 0xF8);  // a | (b & c)
+}
+
+// Q2_K/Q3_K/Q6_K in weight order (`sub` 16): 64 codes a vector, lanes 4 i .. 4 i + 3 sub-block
+// 4 q + i; each vector's three planes combined in int32 (4 products a lane: at most 4 * 63 * 2^22)
+// and scaled at once. (Q6_K's codes in sub-block order, as Q4_K's, cost more to gather from ql/qh
+// than they save: 0.39 -> 0.51 ms for an 8192 x 2048 product at one row.) xsum: x's sums per 16,
+// for the term.
+template <int64_t t, int64_t R>
 inline void fixed_ktile16(const FixedRows& xf, const float* xsum, const uint8_t* wblocks, int64_t K, int64_t m0,
                           int64_t j0, int64_t j1, FixedAcc* st) {
-  constexpr int64_t bb = k_bytes(kQ6_K);
+  constexpr int64_t bb = k_bytes(t);
   const __m512i lane_sub = lane_sub16();
-  __m512 acc[R], macc[R];  // macc: the -32 term
+  __m512 acc[R], macc[R];  // macc: the term
   for (int64_t r = 0; r < R; ++r) acc[r] = st[r].acc, macc[r] = st[r].macc;
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* b = wblocks + (j - j0) * bb;
     prefetch_block<bb>(b);
-    const __m512 s16 = q6k_scales16(b);  // d * sc per 16
+    __m512 term;
+    const __m512 s16 = scales16<t>(b, term);  // d * sc per 16
     __m512 sx[R];  // per row: d * sc * x's power of two, by sub-block
     for (int64_t r = 0; r < R; ++r) sx[r] = _mm512_mul_ps(s16, _mm512_loadu_ps(xf.scale + 16 * (((m0 + r) * K) / 256 + j)));
     for (int q = 0; q < 4; ++q) {
-      const __m512i codes = fixed_codes6(b, q);
+      const __m512i codes = fixed_codes16<t>(b, q);
       const __m512i lanes = _mm512_add_epi32(lane_sub, _mm512_set1_epi32(4 * q));
       for (int64_t r = 0; r < R; ++r) {
         const int64_t span = ((m0 + r) * K + j * 256) / 64 + q;
         acc[r] = _mm512_fmadd_ps(fixed_dot(codes, xf.planes + 192 * span), _mm512_permutexvar_ps(lanes, sx[r]), acc[r]);
       }
     }
-    for (int64_t r = 0; r < R; ++r)  // sum_s (d * sc_s) * sum(x over s), times 32 at the end
-      macc[r] = _mm512_fmadd_ps(s16, _mm512_loadu_ps(xsum + (m0 + r) * (K / 16) + 16 * j), macc[r]);
+    for (int64_t r = 0; r < R; ++r)  // sum_s term_s * sum(x over s), times term_scale at the end
+      macc[r] = _mm512_fmadd_ps(term, _mm512_loadu_ps(xsum + (m0 + r) * (K / 16) + 16 * j), macc[r]);
   }
   for (int64_t r = 0; r < R; ++r) st[r].acc = acc[r], st[r].macc = macc[r];
 }
@@ -711,25 +752,27 @@ inline void fixed_gemm32(const FixedRows& xf, const float* xsum, const DecodedK4
   for (int64_t i = 0; i < R * C; ++i) st[i].acc = acc[i];
 }
 
-// Q6_K the same way (`sub` 16, codes in weight order): a column's super-block decoded once
+// Q2_K/Q3_K/Q6_K the same way (`sub` 16, codes in weight order): a column's super-block decoded once
 // (fixed_codes6's four vectors, d * sc per 16), a 2-row x 4-column tile loading each plane once
 // for four columns. A product's arithmetic is fixed_ktile16's, bit for bit: per 64 weights the
 // same exact integer sum, converted and multiply-added with d * sc times x's power of two
 // (permuted to the vector's lanes: permuting commutes with the lane-wise product), then the -32
 // term once a super-block, in the same order. 2048 x 8192 (K-tiled) at 16 / 64 rows: 4.0 / 16.6
 // -> 2.0 / 7.8 ms (two Zen 5 threads; dequantize + GEMM 6.9 / 10.7).
-struct DecodedK6 {  // one column's super-block
+struct DecodedK16 {  // one column's super-block
   __m512i codes[4];  // weights 64 q .. 64 q + 63
   __m512 scale;      // d * sc per 16 weights
+  __m512 term;       // the term's coefficient per 16 (scales16)
 };
 
-inline void decode_k6(const uint8_t* b, DecodedK6& o) {
-  for (int q = 0; q < 4; ++q) o.codes[q] = fixed_codes6(b, q);
-  o.scale = q6k_scales16(b);
+template <int64_t t>
+inline void decode_k16(const uint8_t* b, DecodedK16& o) {
+  for (int q = 0; q < 4; ++q) o.codes[q] = fixed_codes16<t>(b, q);
+  o.scale = scales16<t>(b, o.term);
 }
 
 template <int64_t R, int64_t C>
-inline void fixed_gemm16(const FixedRows& xf, const float* xsum, const DecodedK6* col, int64_t nsb, int64_t K,
+inline void fixed_gemm16(const FixedRows& xf, const float* xsum, const DecodedK16* col, int64_t nsb, int64_t K,
                          int64_t m0, FixedAcc* st) {
   const __m512i lane_sub = lane_sub16();
   __m512 acc[R * C];
@@ -760,7 +803,7 @@ inline void fixed_gemm16(const FixedRows& xf, const float* xsum, const DecodedK6
     }
     for (int64_t r = 0; r < R; ++r) {
       const __m512 x16 = _mm512_loadu_ps(xsum + (m0 + r) * (K / 16) + 16 * j);
-      for (int64_t c = 0; c < C; ++c) st[r * C + c].macc = _mm512_fmadd_ps(col[c * nsb + j].scale, x16, st[r * C + c].macc);
+      for (int64_t c = 0; c < C; ++c) st[r * C + c].macc = _mm512_fmadd_ps(col[c * nsb + j].term, x16, st[r * C + c].macc);
     }
   }
   for (int64_t i = 0; i < R * C; ++i) st[i].acc = acc[i];
@@ -784,28 +827,29 @@ template <int64_t t>
 void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, bool tiled, float* y, int64_t M, int64_t N,
                    int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t bb = k_bytes(t);
+  constexpr bool sub16 = k_sub(t) == 16;  // Q2_K, Q3_K, Q6_K
   const int64_t nsb = K / 256;
   // super-blocks [j0, j1) of rows m0.. of column n, from and into the sums in `st`
   const auto run = [&](auto R, int64_t m0, int64_t n, int64_t j0, int64_t j1, FixedAcc* st) {
     const uint8_t* wb = w + block_offset(tiled, n, j0, N, nsb, bb);
-    if constexpr (t == kQ6_K)
-      fixed_ktile16<decltype(R)::value>(xf, xsum, wb, K, m0, j0, j1, st);
+    if constexpr (sub16)
+      fixed_ktile16<t, decltype(R)::value>(xf, xsum, wb, K, m0, j0, j1, st);
     else
       fixed_ktile32<t, decltype(R)::value>(xf, xsum, wb, K, m0, j0, j1, st);
   };
   const auto finish = [&](const FixedAcc& a, int64_t m, int64_t n) {
-    const float mins = t == kQ6_K ? 32.f * k_hsum(a.macc) : hsum((v8f)_mm512_castps512_ps256(a.macc));
+    const float mins = sub16 ? term_scale(t) * k_hsum(a.macc) : hsum((v8f)_mm512_castps512_ps256(a.macc));
     y[m * N + n] = (k_hsum(a.acc) - mins) * xf.row_scale[m];
   };
   if (M >= kGemmRows) {
-    using Decoded = std::conditional_t<t == kQ6_K, DecodedK6, DecodedK4>;
+    using Decoded = std::conditional_t<sub16, DecodedK16, DecodedK4>;
     std::unique_ptr<Decoded[]> dec(new Decoded[kGemmBlock * nsb]);
     for (int64_t b0 = n0; b0 < n1; b0 += kGemmBlock) {
       const int64_t b1 = std::min(n1, b0 + kGemmBlock);
       for (int64_t n = b0; n < b1; ++n)
         for (int64_t j = 0; j < nsb; ++j) {
           const uint8_t* b = w + block_offset(tiled, n, j, N, nsb, bb);
-          if constexpr (t == kQ6_K) decode_k6(b, dec[(n - b0) * nsb + j]);
+          if constexpr (sub16) decode_k16<t>(b, dec[(n - b0) * nsb + j]);
           else decode_k4<t>(b, dec[(n - b0) * nsb + j]);
         }
       // 2 rows x 4 columns, then what is left of either
@@ -813,7 +857,7 @@ void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, boo
         constexpr int64_t r_ = decltype(R)::value, c_ = decltype(C)::value;
         FixedAcc st[r_ * c_];
         for (auto& a : st) a.acc = a.macc = _mm512_setzero_ps();
-        if constexpr (t == kQ6_K) fixed_gemm16<r_, c_>(xf, xsum, &dec[(c0 - b0) * nsb], nsb, K, m0, st);
+        if constexpr (sub16) fixed_gemm16<r_, c_>(xf, xsum, &dec[(c0 - b0) * nsb], nsb, K, m0, st);
         else fixed_gemm32<r_, c_>(xf, xsum, &dec[(c0 - b0) * nsb], nsb, K, m0, st);
         for (int64_t r = 0; r < r_; ++r)
           for (int64_t c = 0; c < c_; ++c) finish(st[r * c_ + c], m0 + r, c0 + c);
@@ -856,6 +900,8 @@ inline void fixed_columns(int64_t t, const FixedRows& xf, const float* xsum, con
     case kQ5_K: fixed_columns<kQ5_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
     case kG4_0: fixed_columns<kG4_0>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
     case kG4_1: fixed_columns<kG4_1>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
+    case kQ2_K: fixed_columns<kQ2_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
+    case kQ3_K: fixed_columns<kQ3_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
     default: fixed_columns<kQ6_K>(xf, xsum, w, tiled, y, M, N, K, n0, n1); break;
   }
 }

@@ -442,8 +442,8 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<
       case kIQ4_NL: dequant_rows<kIQ4_NL>(wp, op, K, n0, n1); break;
       case kF16: dequant_rows<kF16>(wp, op, K, n0, n1); break;
       case kBF16: dequant_rows<kBF16>(wp, op, K, n0, n1); break;
-      case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1); break;
-      case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1); break;
+      case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1, tiled, N); break;
+      case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1, tiled, N); break;
       case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1, tiled, N); break;
       case kQ5_K: dequant_rows<kQ5_K>(wp, op, K, n0, n1, tiled, N); break;
       case kIQ4_XS: dequant_rows<kIQ4_XS>(wp, op, K, n0, n1); break;

@@ -48,7 +48,8 @@ LARGE_MATRIX = 1 << 22
 # 20.0-24.6 against 21.6-23.0, Q6_K 23.7-28.8 against 24.4-26.4 (level; at 32 rows 10.4 against
 # 17.5, 13.1-15.1 against 18.5-21.1).
 # (Q6_K's from 8 rows as a GEMM too, kquants.h: fixed_gemm16; at 128 rows level with dequantize-and-
-# GEMM on a Zen 5, so these limits stand.)
+# GEMM on a Zen 5, so these limits stand. Q2_K and Q3_K take the same kernels and limits: 8192 x
+# 2048 at 64 / 128 rows 7.2 / 14.6 against 8.6-9.3 / 13.2-13.3 ms, two Zen 5 threads.)
 FIXED_KERNEL_ROWS, FIXED_LARGE_KERNEL_ROWS = 48, 64
 # From 8 rows its Q4_K/Q5_K products run as a GEMM over columns decoded once (kquants.h:
 # fixed_gemm32), level with dequantize-and-GEMM at 256 rows: 8192 x 2048 Q4_K at 64 / 128 / 256 /
@@ -74,12 +75,12 @@ def kernel_rows(w: "QMatrix") -> int:
     return 2 * KERNEL_MAX_ROWS if large else KERNEL_MAX_ROWS
 # Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003
-# Q4_K/Q5_K/Q6_K blocks K-tile-major (`tile_k`): type id + TILED. Tile i holds super-blocks
+# Q2_K-Q6_K blocks K-tile-major (`tile_k`): type id + TILED. Tile i holds super-blocks
 # [8 i, 8 i + len_i) of every row, row after row, so the fixed-point kernel (kquants.h, exact
 # numerics on AVX-512 VNNI) reads a tile of a long row's matrix as one stream while x's part for it
 # stays in L1: the same bytes, re-ordered. Loaded so for rows of >= TILE_MIN_IN weights.
 TILED, TILE_BLOCKS, TILE_MIN_IN = 1000, 8, 4096
-TILEABLE = frozenset({Q4_K, Q5_K, Q6_K})
+TILEABLE = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 # type id -> bytes per 32-weight block
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36, F16: 64, BF16: 64, IQ4_NL: 18}
 # K type id -> bytes per 256-weight super-block
@@ -159,12 +160,12 @@ def _tiles(n_in: int) -> list[tuple[int, int]]:
 
 def tiles(w) -> bool:
     """Whether the fixed-point kernel reads w K-tiled (where it runs, with exact numerics): a 2-D
-    Q4_K/Q5_K/Q6_K QMatrix of rows of >= TILE_MIN_IN weights."""
+    Q2_K-Q6_K QMatrix of rows of >= TILE_MIN_IN weights."""
     return isinstance(w, QMatrix) and w.qtype in TILEABLE and w.blocks.ndim == 2 and w.n_in >= TILE_MIN_IN
 
 
 def tile_k(w: QMatrix) -> QMatrix:
-    """w's blocks K-tile-major (TILED): host numpy, at load. Only Q4_K/Q5_K/Q6_K, 2-D."""
+    """w's blocks K-tile-major (TILED): host numpy, at load. Only Q2_K-Q6_K, 2-D."""
     assert w.qtype in TILEABLE and w.blocks.ndim == 2, (w.qtype, w.blocks.shape)
     bb = SUPER_BLOCK_BYTES[w.qtype]
     b = np.asarray(w.blocks)

@@ -80,9 +80,9 @@ def test_k_quant_rows_do_not_depend_on_their_batch(qtype):
             np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m])
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
 def test_k_quant_products_hold_f32_accuracy_at_every_magnitude(qtype):
-    """Where the CPU has AVX-512 VNNI, Q4_K/Q5_K/Q6_K products take x as 23-bit fixed point per 32
+    """Where the CPU has AVX-512 VNNI, Q2_K-Q6_K products take x as 23-bit fixed point per 32
     (kquants.h: fixed_rows): rows from 1e-30 to 1e30 and sparse rows stay within f32's error of
     the float64 product relative to sum |x w|; a 32 with an outlier 3e4 times its neighbours
     rounds them to its grid, so that row is held to sum over 32s of max |x| * sum |w| (where the
@@ -136,17 +136,17 @@ def test_trailing_rows_of_zeros_are_zero_and_the_rest_unchanged(qtype):
     assert np.all(np.isnan(np.asarray(jax.jit(qmatmul)(jnp.asarray(nan), w))[11]))
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
 def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
-    """From 8 rows the fixed-point kernel multiplies Q4_K/Q5_K/Q6_K as a GEMM over columns decoded
-    once (kquants.h: fixed_gemm32, fixed_gemm16; 2-row x 4-column tiles): every row of a 19-row product equals that
-    row's product alone bit for bit (an odd last row, 70 columns that do not fill the tiles), row
-    major and K-tiled, and holds f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
+    """From 8 rows the fixed-point kernel multiplies Q2_K-Q6_K as a GEMM over columns decoded once
+    (kquants.h: fixed_gemm32, fixed_gemm16; 2-row x 4-column tiles): every row of a 19-row product
+    equals that row's product alone bit for bit (an odd last row, 70 columns that do not fill the
+    tiles), row major and K-tiled, and holds f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
     of 256 weights go the same way, eight blocks as one super-block (kquants.h: fixed_group), and
     other lengths (576) through the f32 kernel. Elsewhere the same holds for the row tiles every
     CPU runs."""
     rng = np.random.default_rng()
-    shapes = ((512, False), (4096, True)) if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else ((512, False), (576, False), (2048, False))
+    shapes = ((512, False), (4096, True)) if qtype in K_QTYPES else ((512, False), (576, False), (2048, False))
     for n_in, tiled in shapes:
         if tiled and not build.fixed_point():
             continue  # only the AVX-512 VNNI kernel reads K tiles
@@ -161,7 +161,7 @@ def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
         assert np.abs(full - exact).max() <= 2e-6 * np.abs(exact).max() * np.sqrt(n_in / 32)
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
 def test_k_tiled_blocks_give_the_row_major_product_bit_for_bit(qtype):
     """Long rows load K-tile-major for the fixed-point kernel (qmatmul.tile_k): the same bytes
     re-ordered, read in the same order of sums, so the product, the dequantized matrix and the jnp
@@ -488,9 +488,9 @@ def test_a_prefill_chunk_dequantizes_one_matrix_at_a_time():
 
 def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monkeypatch):
     """Where the fixed-point K-quant kernel runs (AVX-512 VNNI) it keeps Q4_K/Q5_K chunks of up to
-    256 rows (its GEMM; Q4_0/Q4_1 too where a row is a multiple of 256 weights) and Q6_K ones of up to 48 (64 for large matrices) from the
-    dequantize-and-GEMM path; elsewhere, and for other types, 16 (32); a K-tiled matrix counts as
-    its block type."""
+    256 rows (its GEMM; Q4_0/Q4_1 too where a row is a multiple of 256 weights) and Q2_K/Q3_K/Q6_K
+    ones of up to 48 (64 for large matrices) from the dequantize-and-GEMM path; elsewhere, and for
+    other types, 16 (32); a K-tiled matrix counts as its block type."""
     from pantheon.native import qmatmul as qm
 
     def matrix(qtype, n_out, n_in):
@@ -500,7 +500,7 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
     small, large = (2048, 1024), (8192, 2048)
     for fixed in (True, False):
         monkeypatch.setattr(qm.build, "fixed_point", lambda fixed=fixed: fixed)
-        for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        for qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
             gemm = fixed and qtype in (Q.Q4_K, Q.Q5_K)
             small_rows = qm.GEMM_KERNEL_ROWS if gemm else qm.FIXED_KERNEL_ROWS if fixed else 16
             large_rows = qm.GEMM_KERNEL_ROWS if gemm else qm.FIXED_LARGE_KERNEL_ROWS if fixed else 32
@@ -509,7 +509,7 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
             tiled = matrix(qtype, *large)
             assert qm.kernel_rows(QMatrix(tiled.blocks, tiled.qtype + TILED, tiled.n_in)) == large_rows
         assert qm.kernel_rows(matrix(Q.Q8_0, *small)) == 16 and qm.kernel_rows(matrix(Q.Q8_0, *large)) == 32
-        assert qm.kernel_rows(matrix(Q.Q3_K, *large)) == 32
+        assert qm.kernel_rows(matrix(Q.IQ4_XS, *large)) == 32
         for qtype in (Q.Q4_0, Q.Q4_1):  # rows of a multiple of 256 weights: the K-quant GEMM's
             assert qm.kernel_rows(matrix(qtype, *large)) == (qm.GEMM_KERNEL_ROWS if fixed else 32)
             assert qm.kernel_rows(matrix(qtype, 2048, 576)) == 16
