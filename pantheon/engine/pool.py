@@ -23,7 +23,7 @@ from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
 from pantheon.model.spec import spec_from_gguf
 from pantheon.model.state import layer_lengths
 from pantheon.native import build as native_build
-from pantheon.native.qmatmul import decode_bytes, supported as qmatmul_supported
+from pantheon.native.qmatmul import supported as qmatmul_supported
 from pantheon.pallas.dispatch import GPU_BACKENDS
 from pantheon.pallas.qmatmul import holds as gpu_holds, plane_bytes
 
@@ -101,7 +101,7 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
         if expert_role(name) in q3k:
             weights += int(nbytes * Q3K_PLANE_BYTES)
         elif resident and len(shape) in (2, 3) and qmatmul_supported(kind):  # 3: routed experts in blocks
-            weights += decode_bytes(kind, nbytes)
+            weights += nbytes  # the file's blocks
         elif gpu_blocks and arch != "qwen35moe" and gpu_holds(kind, shape):
             weights += plane_bytes(kind, nbytes)
         else:

@@ -48,8 +48,8 @@ def load_tensor(g: GGUFFile, name: str) -> np.ndarray:
 
 def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
     """A matrix [out, in] as quant blocks (host uint8 [out, row bytes]), where the native kernel
-    reads its type (pantheon/native/qmatmul.py), in both numerics modes: Q5_0/Q5_1 with each code in
-    its own byte (qmatmul.unpack_nibbles), the others as the GGUF holds them; else None. Routed
+    reads its type (pantheon/native/qmatmul.py), in both numerics modes, as the GGUF holds them;
+    else None. Routed
     experts [X, out, in] come as one QMatrix of blocks [X, out, row bytes]: `blocks[e]` is expert
     e's matrix (`layers.expert`)."""
     info = g.tensor_info(name)
@@ -57,8 +57,7 @@ def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
         return None
     rows = info.shape[:-1]
     data = np.asarray(g.tensor_data(name))  # F16/BF16 come typed: the kernel reads their bytes
-    blocks, qtype = native.unpack_nibbles(data.view(np.uint8).reshape(int(np.prod(rows)), -1), int(info.ggml_type))
-    return native.QMatrix(blocks.reshape(*rows, -1), qtype, int(info.shape[-1]))
+    return native.QMatrix(data.view(np.uint8).reshape(*rows, -1), int(info.ggml_type), int(info.shape[-1]))
 
 
 def _split_rows(a, sections: list[int]) -> list:

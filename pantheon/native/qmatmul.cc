@@ -1,5 +1,5 @@
-// y[M, N] = x[M, K] . W^T for W[N, K] held in 8-bit quant blocks (Q8_0, or U4_1: a Q4_1 block with
-// each nibble in its own byte; qmatmul.unpack_nibbles loads Q4_0 as Q8_0 and Q4_1 as U4_1), as an
+// y[M, N] = x[M, K] . W^T for W[N, K] held in ggml's quant blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, IQ4_NL; F16/BF16 rows) or K-quant super-blocks (kquants.h), as the file holds them, as an
 // XLA FFI custom call on the CPU. XLA:CPU has no quantized matmul: dequantized f32 weights stream 4-6x the
 // bytes of the blocks, which bounds decode. Two formulations:
 //  - f32 activations ("exact" numerics): the blocks are dequantized in registers and multiplied
@@ -22,13 +22,15 @@
 namespace pantheon {
 namespace {
 
-// ggml's Q8_0 (d, 32 x int8), Q4_0 (d, 16 bytes of nibbles: code - 8) and Q4_1 (d, m, 16 bytes of
-// nibbles), and Pantheon's U4_1 (d, m, 32 x u8: Q5_1 unpacked, qmatmul.unpack_nibbles). A packed
-// block's nibbles are split in registers (low nibbles are weights 0-15, high ones 16-31): the same
-// codes, so the same arithmetic as their unpacked forms, bit for bit.
+// ggml's Q8_0 (d, 32 x int8), Q4_0 (d, 16 bytes of nibbles: code - 8), Q4_1 (d, m, 16 bytes of
+// nibbles), Q5_0 and Q5_1 (Q4_0's and Q4_1's with a u32 of fifth bits before the nibbles: Q5_0's
+// code - 16), and Pantheon's U4_1 (d, m, 32 x u8: a Q4_1/Q5_1 block unpacked, qmatmul.unpack_nibbles;
+// the tests' check of the packed reads). A packed block's codes are split in registers (low
+// nibbles are weights 0-15, high ones 16-31; fifth bit j of weight j): the same codes, so the same
+// arithmetic as their unpacked forms, bit for bit.
 // IQ4_NL (d, 16 bytes of nibbles indexing a fixed table of 16 int8 values) reads as Q4_0 with the
 // table looked up in registers (iq4_values): its codes are int8s, as Q8_0's.
-enum QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kIQ4_NL = 20, kBF16 = 30, kU4_1 = 1003 };
+enum QType : int64_t { kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kIQ4_NL = 20, kBF16 = 30, kU4_1 = 1003 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -38,24 +40,44 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 // 38.2 / 34.6 tok/s, alternating runs, the default model level).
 
 constexpr int64_t block_bytes(int64_t t) {
-  return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 || t == kIQ4_NL ? 18 : t == kQ4_1 ? 20
-       : t == kF16 || t == kBF16 ? 64 : 0;
+  return t == kQ8_0 ? 34 : t == kU4_1 ? 36 : t == kQ4_0 || t == kIQ4_NL ? 18 : t == kQ4_1 ? 20 : t == kQ5_0 ? 22
+       : t == kQ5_1 ? 24 : t == kF16 || t == kBF16 ? 64 : 0;
 }
 // F16/BF16 rows read as blocks of 32 weights with no scale (d = 1): the same tiles, half f32's bytes.
 constexpr bool half(int64_t t) { return t == kF16 || t == kBF16; }
-constexpr bool has_min(int64_t t) { return t == kU4_1 || t == kQ4_1; }  // weight = d * w + m
-constexpr bool packed(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kIQ4_NL; }
+constexpr bool has_min(int64_t t) { return t == kU4_1 || t == kQ4_1 || t == kQ5_1; }  // weight = d * w + m
+constexpr bool five(int64_t t) { return t == kQ5_0 || t == kQ5_1; }
+constexpr bool packed(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kIQ4_NL || five(t); }
+constexpr int64_t codes_at(int64_t t) { return (has_min(t) ? 4 : 2) + (five(t) ? 4 : 0); }  // after d (m, qh)
+
+// 16 fifth bits (bit i: byte i) as bytes 0x10 where set.
+inline __m128i fifth_bits(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm_maskz_mov_epi8(static_cast<__mmask16>(bits), _mm_set1_epi8(0x10));
+#else  // byte i of the pair of bytes holding bit i, tested against its bit
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits)), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(0x10));
+#endif
+}
 
 // A packed block's 32 codes as two 16-byte halves (weights 0-15, 16-31); Q4_0's centred (code - 8),
-// IQ4_NL's the table's values.
+// Q5_0's (code - 16), IQ4_NL's the table's values.
 template <int64_t t>
-inline void nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m4 = _mm_set1_epi8(0x0F);
+inline void nibbles(const uint8_t* b, __m128i& lo, __m128i& hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + codes_at(t))), m4 = _mm_set1_epi8(0x0F);
   lo = _mm_and_si128(raw, m4);
   hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-  if constexpr (t == kQ4_0) {
-    lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-    hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+  if constexpr (five(t)) {
+    uint32_t qh;
+    std::memcpy(&qh, b + codes_at(t) - 4, 4);
+    lo = _mm_or_si128(lo, fifth_bits(qh & 0xFFFF));
+    hi = _mm_or_si128(hi, fifth_bits(qh >> 16));
+  }
+  if constexpr (t == kQ4_0 || t == kQ5_0) {
+    const __m128i centre = _mm_set1_epi8(t == kQ4_0 ? 8 : 16);
+    lo = _mm_sub_epi8(lo, centre);
+    hi = _mm_sub_epi8(hi, centre);
   } else if constexpr (t == kIQ4_NL) {
     lo = iq4_values(lo);
     hi = iq4_values(hi);
@@ -94,7 +116,7 @@ inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
   }
   if constexpr (packed(t)) {
     __m128i h[2];
-    nibbles<t>(b + (has_min(t) ? 4 : 2), h[0], h[1]);
+    nibbles<t>(b, h[0], h[1]);
     for (int i = 0; i < 4; ++i) {
       const __m128i q = (i & 1) ? _mm_srli_si128(h[i / 2], 8) : h[i / 2];
       w[i] = (v8f)_mm256_cvtepi32_ps(has_min(t) ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q));
@@ -102,7 +124,7 @@ inline void dequant(const uint8_t* b, v8f w[4], float& d, float& m) {
     return;
   }
   for (int i = 0; i < 4; ++i) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + (has_min(t) ? 4 : 2) + 8 * i));
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + codes_at(t) + 8 * i));
     w[i] = (v8f)_mm256_cvtepi32_ps(has_min(t) ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q));
   }
 }
@@ -120,13 +142,28 @@ inline void dequant_wide(const uint8_t* b, vkf w[32 / kW], float& d, float& m) {
     }
     return;
   }
-  __m128i q[2];
-  if constexpr (packed(t)) {
-    nibbles<t>(b + (has_min(t) ? 4 : 2), q[0], q[1]);
-  } else {
-    for (int i = 0; i < 2; ++i) q[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (has_min(t) ? 4 : 2) + 16 * i));
+  if constexpr (packed(t)) {  // codes looked up as f32 (vpermps reads an index's low 4 bits, vpermt2ps 5)
+    const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + codes_at(t))));
+    const __m512i hi = _mm512_srli_epi32(raw, 4);  // weights 16-31; the low nibbles are 0-15
+    if constexpr (five(t)) {  // fifth bit j rotated to bit 4 of lane j % 16, selected in beside the nibble
+      const __m512i qh = _mm512_set1_epi32(static_cast<int>(*reinterpret_cast<const uint32_t*>(b + codes_at(t) - 4)));
+      const __m512i by = _mm512_setr_epi32(-4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11), nib = _mm512_set1_epi32(0xF);
+      const __m512i lo = _mm512_ternarylogic_epi32(raw, _mm512_rorv_epi32(qh, by), nib, 0xE4);  // c ? a : b
+      const __m512i h5 = _mm512_ternarylogic_epi32(hi, _mm512_rorv_epi32(qh, _mm512_add_epi32(by, _mm512_set1_epi32(16))), nib, 0xE4);
+      const __m512 t0 = _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(t == kQ5_0 ? -16.f : 0.f));
+      w[0] = _mm512_permutex2var_ps(t0, lo, _mm512_add_ps(t0, _mm512_set1_ps(16.f)));
+      w[1] = _mm512_permutex2var_ps(t0, h5, _mm512_add_ps(t0, _mm512_set1_ps(16.f)));
+    } else {
+      const __m512 table = t == kIQ4_NL ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(iq4_table()))
+                                        : _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(t == kQ4_0 ? -8.f : 0.f));
+      w[0] = _mm512_permutexvar_ps(raw, table), w[1] = _mm512_permutexvar_ps(hi, table);
+    }
+    return;
   }
-  for (int i = 0; i < 2; ++i) w[i] = _mm512_cvtepi32_ps(has_min(t) ? _mm512_cvtepu8_epi32(q[i]) : _mm512_cvtepi8_epi32(q[i]));
+  for (int i = 0; i < 2; ++i) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + codes_at(t) + 16 * i));
+    w[i] = _mm512_cvtepi32_ps(has_min(t) ? _mm512_cvtepu8_epi32(q) : _mm512_cvtepi8_epi32(q));
+  }
 #else
   dequant<t>(b, w, d, m);
 #endif
@@ -206,7 +243,7 @@ inline void block_bytes8(const uint8_t* b, __m256i& w, __m256i& sign, float& d, 
   scales<t>(b, d, m);
   if constexpr (packed(t)) {
     __m128i lo, hi;
-    nibbles<t>(b + (has_min(t) ? 4 : 2), lo, hi);
+    nibbles<t>(b, lo, hi);
     const __m256i v = _mm256_set_m128i(hi, lo);
     if constexpr (has_min(t)) {
       w = v;
@@ -276,6 +313,8 @@ void columns8(int64_t t, const Q8Rows& a, const uint8_t* w, float* y, int64_t M,
     case kU4_1: columns8<kU4_1>(a, w, y, M, N, K, n0, n1); break;
     case kQ4_0: columns8<kQ4_0>(a, w, y, M, N, K, n0, n1); break;
     case kQ4_1: columns8<kQ4_1>(a, w, y, M, N, K, n0, n1); break;
+    case kQ5_0: columns8<kQ5_0>(a, w, y, M, N, K, n0, n1); break;
+    case kQ5_1: columns8<kQ5_1>(a, w, y, M, N, K, n0, n1); break;
     case kIQ4_NL: columns8<kIQ4_NL>(a, w, y, M, N, K, n0, n1); break;
     default: columns8<kQ8_0>(a, w, y, M, N, K, n0, n1); break;
   }
@@ -287,6 +326,8 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
     case kU4_1: columns<kU4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kQ4_0: columns<kQ4_0>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kQ4_1: columns<kQ4_1>(x, xsum, w, y, M, N, K, n0, n1); break;
+    case kQ5_0: columns<kQ5_0>(x, xsum, w, y, M, N, K, n0, n1); break;
+    case kQ5_1: columns<kQ5_1>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kIQ4_NL: columns<kIQ4_NL>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kF16: columns<kF16>(x, xsum, w, y, M, N, K, n0, n1); break;
     case kBF16: columns<kBF16>(x, xsum, w, y, M, N, K, n0, n1); break;
@@ -439,6 +480,8 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<
       case kU4_1: dequant_rows<kU4_1>(wp, op, K, n0, n1); break;
       case kQ4_0: dequant_rows<kQ4_0>(wp, op, K, n0, n1); break;
       case kQ4_1: dequant_rows<kQ4_1>(wp, op, K, n0, n1); break;
+      case kQ5_0: dequant_rows<kQ5_0>(wp, op, K, n0, n1); break;
+      case kQ5_1: dequant_rows<kQ5_1>(wp, op, K, n0, n1); break;
       case kIQ4_NL: dequant_rows<kIQ4_NL>(wp, op, K, n0, n1); break;
       case kF16: dequant_rows<kF16>(wp, op, K, n0, n1); break;
       case kBF16: dequant_rows<kBF16>(wp, op, K, n0, n1); break;

@@ -3,8 +3,7 @@
 XLA:CPU has no quantized matmul, and no int8/bf16 formulation of its own streams faster than f32
 (research/jax_feasibility.md §4); but batch decode reads every weight once per token, so the bytes
 read bound it: SmolLM2-135M is 538 MB as f32, 85 MB as its GGUF's Q4_1/Q8_0 blocks, which the
-kernel reads as they are (Q5_0/Q5_1 it reads with each code in a byte, `unpack_nibbles`; the
-K-quants' super-blocks in kquants.h). `qmatmul` is an XLA FFI
+kernel reads as they are (the K-quants' super-blocks in kquants.h). `qmatmul` is an XLA FFI
 custom call (qmatmul.cc) that reads the blocks inside the compiled program like any other op, in
 one of two formulations: f32 activations times weights dequantized in registers ("exact"
 numerics), or activations first rounded to 8-bit blocks and integer dot products, as llama.cpp's
@@ -73,7 +72,7 @@ def kernel_rows(w: "QMatrix") -> int:
             return GEMM_KERNEL_ROWS
         return FIXED_LARGE_KERNEL_ROWS if large else FIXED_KERNEL_ROWS
     return 2 * KERNEL_MAX_ROWS if large else KERNEL_MAX_ROWS
-# Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q5_1 unpacked (`unpack_nibbles`)
+# Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q4_1/Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003
 # Q2_K-Q6_K blocks K-tile-major (`tile_k`): type id + TILED. Tile i holds super-blocks
 # [8 i, 8 i + len_i) of every row, row after row, so the fixed-point kernel (kquants.h, exact
@@ -85,10 +84,9 @@ TILEABLE = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, U4_1: 36, F16: 64, BF16: 64, IQ4_NL: 18}
 # K type id -> bytes per 256-weight super-block
 SUPER_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
-# the GGUF types the kernel reads -> the layout it reads them in (unpack_nibbles). The K-quants and
-# F16/BF16 rows (blocks of 32 with no scale, f32 activations only) are read as the file holds them.
-KERNEL_LAYOUT = {Q4_0: Q4_0, Q4_1: Q4_1, Q5_0: Q8_0, Q5_1: U4_1, Q8_0: Q8_0, F16: F16, BF16: BF16,
-                 IQ4_NL: IQ4_NL, **{t: t for t in K_TYPES}}
+# The GGUF types the kernel reads, every one as the file holds it (F16/BF16 rows as blocks of 32
+# with no scale, f32 activations only).
+KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16, IQ4_NL, *K_TYPES})
 
 
 @jax.tree_util.register_pytree_node_class
@@ -96,7 +94,7 @@ KERNEL_LAYOUT = {Q4_0: Q4_0, Q4_1: Q4_1, Q5_0: Q8_0, Q5_1: U4_1, Q8_0: Q8_0, F16
 class QMatrix:
     """A weight W [n_out, n_in] as ggml blocks: `blocks` uint8 [n_out, n_in / 32 * block bytes], each
     row the blocks of one output. qtype: a BLOCK_BYTES or SUPER_BLOCK_BYTES key (a ggml type id, or
-    U4_1); the kernel reads KERNEL_LAYOUT's values."""
+    U4_1), or a K-tiled type (TILED)."""
 
     blocks: jax.Array
     qtype: int
@@ -120,17 +118,14 @@ class QMatrix:
 
 def supported(ggml_type: int) -> bool:
     """Whether the kernel reads a GGUF matrix of this ggml type."""
-    return int(ggml_type) in KERNEL_LAYOUT
+    return int(ggml_type) in KERNEL_TYPES
 
 
-def unpack_nibbles(blocks: np.ndarray, qtype: int, layout: dict | None = None) -> tuple[np.ndarray, int]:
-    """Blocks as the kernel reads them (KERNEL_LAYOUT), losslessly. Q4_0/Q4_1 are read packed (the
-    kernel splits their nibbles in registers: the same codes and arithmetic as unpacked, bit for
-    bit, at the file's bytes). Q5_0 becomes Q8_0 (code - 16 as int8, the same scale) and Q5_1 becomes
-    U4_1 (each 5-bit code in its own byte, with d and m): 1.55x their bytes, still 3.3x fewer than
-    f32. Q4_0/Q4_1 can be unpacked the same way (`layout`), as the tests do to check the packed
-    reads. blocks: uint8 [n_out, row bytes] -> (blocks, type)."""
-    layout = KERNEL_LAYOUT if layout is None else layout
+def unpack_nibbles(blocks: np.ndarray, qtype: int, layout: dict) -> tuple[np.ndarray, int]:
+    """Packed blocks with each code in its own byte, losslessly, per `layout`: Q4_0/Q5_0 -> Q8_0 (the
+    code centred, as int8, the same scale), Q4_1/Q5_1 -> U4_1 (with d and m). The kernel reads the
+    packed ones as the file holds them (splitting the codes in registers); the tests check that it
+    reads them as these, bit for bit. blocks: uint8 [n_out, row bytes] -> (blocks, type)."""
     if layout.get(qtype, qtype) == qtype:
         return blocks, qtype
     head = 2 if qtype in (Q4_0, Q5_0) else 4  # d (and m), fp16
@@ -184,14 +179,6 @@ def untile_blocks(blocks, qtype: int):
     return xp.concatenate(parts, axis=1)
 
 
-def decode_bytes(ggml_type: int, nbytes: int) -> int:
-    """Bytes a GGUF matrix of `nbytes` takes once loaded for the kernel (after unpack_nibbles)."""
-    t = int(ggml_type)
-    if t in K_TYPES:
-        return nbytes
-    return nbytes * BLOCK_BYTES[KERNEL_LAYOUT[t]] // BLOCK_BYTES[t]
-
-
 def dequantize_blocks(blocks: jax.Array, qtype: int) -> jax.Array:
     """Blocks of any type the kernel reads -> f32 [..., n_in] (pantheon.gguf.quants for ggml's)."""
     if base_type(qtype) != qtype:
@@ -220,11 +207,11 @@ def dequantize_native(w: QMatrix, after: jax.Array | None = None) -> jax.Array:
 
 def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """x [..., n_in] f32 -> x W^T [..., n_out], through the native kernel; with int8_activations,
-    x rounded to 8-bit blocks first as ggml-cpu does: Q8_0 (Q8_1 against U4_1/Q4_1), Q8_K (per 256)
+    x rounded to 8-bit blocks first as ggml-cpu does: Q8_0 (Q8_1 against Q4_1/Q5_1/U4_1), Q8_K (per 256)
     against K-quants, then integer dot products."""
-    if w.qtype not in (Q4_0, Q4_1, Q8_0, U4_1, F16, BF16, IQ4_NL) and base_type(w.qtype) not in K_TYPES:
-        raise ValueError(f"qmatmul reads F16, BF16, Q4_0, Q4_1, Q8_0, U4_1, IQ4_NL and K-quant blocks, not type {w.qtype}: "
-                         "load Q5_0/Q5_1 through unpack_nibbles")
+    if w.qtype not in BLOCK_BYTES and base_type(w.qtype) not in K_TYPES:
+        raise ValueError(f"qmatmul reads F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, U4_1, IQ4_NL and K-quant blocks, "
+                         f"not type {w.qtype}")
     if int8_activations and base_type(w.qtype) != w.qtype:
         raise ValueError("K-tiled blocks take f32 activations (exact numerics): load them untiled for llamacpp numerics")
     if int8_activations and w.qtype in (F16, BF16):
@@ -239,7 +226,7 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
 def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """The product in plain jnp: dequantize the weights (pantheon.gguf.quants), einsum; with
     int8_activations, llama.cpp's integer arithmetic over the blocks' integer parts
-    (arithmetic.int_linear: x rounded to Q8_0, or Q8_1 against U4_1, whose fp16 block sum multiplies
+    (arithmetic.int_linear: x rounded to Q8_0, or Q8_1 against Q4_1/Q5_1/U4_1, whose fp16 block sum multiplies
     the weight block's minimum)."""
     x = x.astype(jnp.float32)
     if int8_activations:
@@ -254,7 +241,7 @@ def int_blocks(w: QMatrix):
     values)."""
     if base_type(w.qtype) != w.qtype:
         w = QMatrix(untile_blocks(w.blocks, w.qtype), base_type(w.qtype), w.n_in)
-    if w.qtype in K_TYPES or w.qtype == IQ4_NL:  # traceable: integer_parts decodes in jnp
+    if w.qtype in K_TYPES or w.qtype in (IQ4_NL, Q5_0, Q5_1):  # traceable: integer_parts decodes in jnp
         c, d, mn, dmin = (None if a is None else a.T for a in integer_parts(w.blocks, w.qtype))
         return IntBlocks(c, d, mn, dmin, SCALE_FIELDS[w.qtype][2])
     b = w.blocks.reshape(w.n_out, w.n_in // 32, BLOCK_BYTES[w.qtype])

@@ -20,7 +20,7 @@ from pantheon.native.qmatmul import TILED, dequantize_native, tile_k, untile_blo
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import attention_reference, cached_attention_blocked
 
-QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL)  # GGUF types, in the layouts the models load them (unpack_nibbles)
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL)  # GGUF types, as the models load them (the file's blocks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,8 +40,7 @@ def random_matrix(rng, n_out: int, n_in: int, qtype) -> tuple[QMatrix, np.ndarra
     else:
         blocks = quantize_np(values, qtype).reshape(n_out, -1)
     dense = dequantize_np(blocks, qtype).reshape(n_out, n_in)
-    blocks, layout = unpack_nibbles(blocks, int(qtype))
-    return QMatrix(jnp.asarray(blocks), layout, n_in), dense
+    return QMatrix(jnp.asarray(blocks), int(qtype), n_in), dense
 
 
 K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)  # read as the file holds them (kquants.h)
@@ -274,41 +273,43 @@ def test_qmatmul_keeps_leading_axes_and_embeds_rows(qtype):
     np.testing.assert_array_equal(np.asarray(embed_rows(w, ids)), dense[np.asarray(ids)])
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
-def test_packed_4bit_blocks_read_bit_for_bit_as_their_unpacked_form(qtype):
-    """Q4_0/Q4_1 stay at the file's bytes: the kernel splits the nibbles in registers. The result
-    is the unpacked layout's (Q8_0 / U4_1, one byte per code) bit for bit, f32 and 8-bit
-    activations alike, at any batch — except f32 activations against rows of a multiple of 256
-    weights where the fixed-point kernel reads them (AVX-512 VNNI: test_k_quant_gemm_rows_...)."""
+@pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1), ids=lambda t: t.name)
+def test_packed_blocks_read_bit_for_bit_as_their_unpacked_form(qtype):
+    """Q4_0/Q4_1/Q5_0/Q5_1 stay at the file's bytes: the kernel splits the codes (nibbles and fifth
+    bits) in registers. The result is the unpacked layout's (Q8_0 / U4_1, one byte per code) bit
+    for bit, f32 and 8-bit activations alike, at any batch — except f32 activations against Q4_0/
+    Q4_1 rows of a multiple of 256 weights where the fixed-point kernel reads them (AVX-512 VNNI:
+    test_k_quant_gemm_rows_...)."""
     rng = np.random.default_rng()
     for n_in in (576, 512):
         packed = quantize_np(rng.standard_normal((300, n_in)).astype(np.float32), qtype).reshape(300, -1)
-        assert unpack_nibbles(packed, int(qtype)) == (packed, int(qtype))  # what the models load
-        blocks, layout = unpack_nibbles(packed, int(qtype), {Q.Q4_0: Q.Q8_0, Q.Q4_1: U4_1})
+        blocks, layout = unpack_nibbles(packed, int(qtype), UNPACKED)
         wp, wu = QMatrix(jnp.asarray(packed), int(qtype), n_in), QMatrix(jnp.asarray(blocks), layout, n_in)
         for m in (1, 3, 8):
             x = jnp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
             for int8 in (False, True):
-                if not int8 and n_in % 256 == 0 and build.fixed_point():
+                if not int8 and n_in % 256 == 0 and build.fixed_point() and qtype in (Q.Q4_0, Q.Q4_1):
                     continue
                 f = jax.jit(lambda x, w, int8=int8: qmatmul(x, w, int8_activations=int8))
                 np.testing.assert_array_equal(np.asarray(f(x, wp)), np.asarray(f(x, wu)))
 
 
+UNPACKED = {Q.Q4_0: Q.Q8_0, Q.Q4_1: U4_1, Q.Q5_0: Q.Q8_0, Q.Q5_1: U4_1}
+
+
 @pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1), ids=lambda t: t.name)
 def test_unpacked_codes_hold_the_same_weights(qtype):
-    """unpack_nibbles is lossless (Q4_0/Q5_0 -> Q8_0, Q4_1/Q5_1 -> U4_1); the kernel refuses packed
-    5-bit blocks with a message rather than misreading them."""
+    """unpack_nibbles is lossless (Q4_0/Q5_0 -> Q8_0, Q4_1/Q5_1 -> U4_1); the kernel refuses a type
+    it does not read with a message rather than misreading it."""
     rng = np.random.default_rng()
     packed = quantize_np(rng.standard_normal((96, 256)).astype(np.float32), qtype).reshape(96, -1)
-    blocks, layout = unpack_nibbles(packed, int(qtype), {Q.Q4_0: Q.Q8_0, Q.Q4_1: U4_1, Q.Q5_0: Q.Q8_0, Q.Q5_1: U4_1})
+    blocks, layout = unpack_nibbles(packed, int(qtype), UNPACKED)
     signed = qtype in (Q.Q4_0, Q.Q5_0)
     assert layout == (Q.Q8_0 if signed else U4_1) and blocks.shape[1] == 8 * (34 if signed else 36)
     np.testing.assert_array_equal(np.asarray(dequantize_blocks(jnp.asarray(blocks), layout)),
                                   dequantize_np(packed, qtype).reshape(96, 256))
-    if qtype in (Q.Q5_0, Q.Q5_1):
-        with pytest.raises(ValueError, match="unpack_nibbles"):
-            qmatmul(jnp.ones((1, 256), jnp.float32), QMatrix(jnp.asarray(packed), int(qtype), 256))
+    with pytest.raises(ValueError, match="K-quant blocks, not type 16"):  # IQ2_XXS
+        qmatmul(jnp.ones((1, 256), jnp.float32), QMatrix(jnp.asarray(packed), 16, 256))
 
 
 def as_cache(values, cache_dtype):
