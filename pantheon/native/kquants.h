@@ -55,6 +55,18 @@ constexpr int64_t kTileBlocks = 8;
 constexpr int64_t kTiled = 1000;  // a K type's id + kTiled: its blocks tiled so (qmatmul.py TILED)
 constexpr bool is_tiled(int64_t t) { return t > kTiled && is_k(t - kTiled) && t - kTiled != kIQ4_XS; }  // Q2_K..Q6_K
 
+// Columns a row tile of x runs over before the next row tile (common.h: blocked_columns), so the
+// tile stays in L1 while the block's weights wait in L2 (32 columns of 2048 Q4_K weights are 37
+// KB). The fixed-point kernels (x's planes, 3 bytes a weight: 24 KB for 4 rows of 2048; Q6_K's
+// products and Q4_K/Q5_K's under kGemmRows rows), an 8192 x 2048 product at 8 / 16 / 32 rows,
+// column by column -> in blocks: Q4_K 0.34 / 0.30 / 0.32 -> 0.21 / 0.24 / 0.29 ms a row, Q6_K 0.33
+// / 0.31 / 0.31 -> 0.26 / 0.25 / 0.27 (two Zen 4 threads). The f32 kernels (x as f32, 32 KB for 4
+// rows of 2048): IQ4_XS 8192 x 2048 at 16 / 32 / 48 rows 3.7 / 7.9 / 12.0 -> 2.1 / 4.4 / 6.5 ms, Q5_0
+// 3.5 / 8.9 / 13.5 -> 2.3 / 4.6 / 7.0 (two Zen 5 threads).
+// K-tiled matrices keep tiled_columns' order: their tiles' planes are small already (no gain
+// measured); nor do the 8-bit kernels gain (1 byte a weight).
+constexpr int64_t kColumnBlock = 32;
+
 // Byte offset of row n's super-block j in a matrix of N rows of nsb super-blocks of bb bytes.
 inline int64_t block_offset(bool tiled, int64_t n, int64_t j, int64_t N, int64_t nsb, int64_t bb) {
   if (!tiled) return (n * nsb + j) * bb;
@@ -813,15 +825,6 @@ inline void fixed_gemm16(const FixedRows& xf, const float* xsum, const DecodedK1
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kGemmBlock = 32;  // columns decoded at once: 32 x 8 super-blocks (K 2048) in 96 KB
 
-// Columns a row tile of x's planes (3 bytes a weight: 24 KB for 4 rows of 2048) runs over before
-// the next row tile (blocked_columns; Q6_K's products, and Q4_K/Q5_K's under kGemmRows rows): 32
-// columns of 2048 Q4_K weights are 37 KB, in L2. An 8192 x 2048 product at 8 / 16 / 32 rows,
-// column by column -> in blocks (measured before the GEMM took Q4_K's 8 rows and more): Q4_K 0.34
-// / 0.30 / 0.32 -> 0.21 / 0.24 / 0.29 ms a row, Q6_K 0.33 / 0.31 / 0.31 -> 0.26 / 0.25 / 0.27 (two
-// Zen 4 threads).
-// K-tiled matrices keep tiled_columns' order: their tiles' planes are small already (no gain
-// measured); nor do the 8-bit kernels gain (1 byte a weight).
-constexpr int64_t kColumnBlock = 32;
 
 template <int64_t t>
 void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, bool tiled, float* y, int64_t M, int64_t N,
@@ -956,7 +959,7 @@ template <int64_t t>
 void kcolumns(const float* x, const float* xsum, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
               int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 256 * k_bytes(t);
-  tiled_columns<4>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+  blocked_columns<4>(M, n0, n1, kColumnBlock, [&](auto R, int64_t m0, int64_t n) {
 #if defined(__AVX512F__)
     if constexpr (lut_k(t)) {
       lut_ktile<t, decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);

@@ -200,7 +200,7 @@ template <int64_t t>
 void columns(const float* x, const float* xsum, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
              int64_t n0, int64_t n1) {
   const int64_t row_bytes = K / 32 * block_bytes(t);
-  tiled_columns<8>(M, n0, n1, [&](auto R, int64_t m0, int64_t n) {
+  blocked_columns<8>(M, n0, n1, kColumnBlock, [&](auto R, int64_t m0, int64_t n) {
     tile<t, decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);
   });
 }

@@ -60,6 +60,14 @@ GEMM_KERNEL_ROWS, GEMM_TYPES = 256, frozenset({Q4_K, Q5_K})
 # (kquants.h: fixed_group): 16384 x 2048 Q4_0 at one row 1.06 -> 0.89 ms, 3072 x 2048 0.32 -> 0.14,
 # the 1 B-shape Q4_0 decode step's products 39 -> 30 ms; at 256 rows 46 against dequantize + GEMM's 50.
 GROUP_TYPES = frozenset({Q4_0, Q4_1})
+# On AVX-512 (where the fixed-point kernel is built) the f32 kernels' row tiles run over blocks of
+# columns (kquants.h: kColumnBlock) with x's tile in L1, not column by column: 8192 x 2048 IQ4_XS at
+# 16 / 32 / 48 rows 3.7 / 7.9 / 12.0 -> 2.1 / 4.4 / 6.5 ms, Q5_0 3.5 / 8.9 / 13.5 -> 2.3 / 4.6 / 7.0,
+# and they keep the lead over dequantize-and-GEMM further (two Zen 5 threads, IQ4_XS / Q8_0 against
+# it): 8192 x 2048 at 64 rows 8.8 / 9.2 against 9.6-10.0, at 96 13.3 / 13.9 against 11.7-12.3;
+# 2048 x 8192 at 32 6.3 / 6.0 against 7.6-7.7, at 64 12.2-12.4 against 9.4; 2048 x 2048 at 64 2.1 /
+# 2.3 against 1.9-2.3; 512 x 2048 at 96 0.85 against 1.1.
+WIDE_KERNEL_ROWS, WIDE_LARGE_KERNEL_ROWS = 64, 48
 
 
 def kernel_rows(w: "QMatrix") -> int:
@@ -71,6 +79,8 @@ def kernel_rows(w: "QMatrix") -> int:
         if base_type(w.qtype) in GEMM_TYPES:
             return GEMM_KERNEL_ROWS
         return FIXED_LARGE_KERNEL_ROWS if large else FIXED_KERNEL_ROWS
+    if build.fixed_point():
+        return WIDE_LARGE_KERNEL_ROWS if large else WIDE_KERNEL_ROWS
     return 2 * KERNEL_MAX_ROWS if large else KERNEL_MAX_ROWS
 # Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q4_1/Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003

@@ -481,7 +481,7 @@ def test_a_prefill_chunk_dequantizes_one_matrix_at_a_time():
     rng = np.random.default_rng(0)
     w1, w2 = (QMatrix(jnp.asarray(quantize_np(rng.standard_normal((1024, 1024)).astype(np.float32), Q.Q8_0)),
                       int(Q.Q8_0), 1024) for _ in range(2))
-    x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)  # more rows than the kernel takes
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)  # more rows than the kernel takes
     temp = jax.jit(lambda x, a, b: linear(linear(x, a), b)).lower(x, w1, w2).compile().memory_analysis().temp_size_in_bytes
     one = 1024 * 1024 * 4
     assert one <= temp < 1.5 * one, temp
@@ -490,8 +490,8 @@ def test_a_prefill_chunk_dequantizes_one_matrix_at_a_time():
 def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monkeypatch):
     """Where the fixed-point K-quant kernel runs (AVX-512 VNNI) it keeps Q4_K/Q5_K chunks of up to
     256 rows (its GEMM; Q4_0/Q4_1 too where a row is a multiple of 256 weights) and Q2_K/Q3_K/Q6_K
-    ones of up to 48 (64 for large matrices) from the dequantize-and-GEMM path; elsewhere, and for
-    other types, 16 (32); a K-tiled matrix counts as its block type."""
+    ones of up to 48 (64 for large matrices) from the dequantize-and-GEMM path, other types 64 (48);
+    elsewhere 16 (32); a K-tiled matrix counts as its block type."""
     from pantheon.native import qmatmul as qm
 
     def matrix(qtype, n_out, n_in):
@@ -509,11 +509,12 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
             assert qm.kernel_rows(matrix(qtype, *large)) == large_rows
             tiled = matrix(qtype, *large)
             assert qm.kernel_rows(QMatrix(tiled.blocks, tiled.qtype + TILED, tiled.n_in)) == large_rows
-        assert qm.kernel_rows(matrix(Q.Q8_0, *small)) == 16 and qm.kernel_rows(matrix(Q.Q8_0, *large)) == 32
-        assert qm.kernel_rows(matrix(Q.IQ4_XS, *large)) == 32
+        other_rows = (64, 48) if fixed else (16, 32)
+        assert (qm.kernel_rows(matrix(Q.Q8_0, *small)), qm.kernel_rows(matrix(Q.Q8_0, *large))) == other_rows
+        assert (qm.kernel_rows(matrix(Q.IQ4_XS, *small)), qm.kernel_rows(matrix(Q.IQ4_XS, *large))) == other_rows
         for qtype in (Q.Q4_0, Q.Q4_1):  # rows of a multiple of 256 weights: the K-quant GEMM's
             assert qm.kernel_rows(matrix(qtype, *large)) == (qm.GEMM_KERNEL_ROWS if fixed else 32)
-            assert qm.kernel_rows(matrix(qtype, 2048, 576)) == 16
+            assert qm.kernel_rows(matrix(qtype, 2048, 576)) == other_rows[0]
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
