@@ -765,10 +765,10 @@ inline void fixed_gemm32(const FixedRows& xf, const float* xsum, const DecodedK4
 }
 
 // Q2_K/Q3_K/Q6_K the same way (`sub` 16, codes in weight order): a column's super-block decoded once
-// (fixed_codes6's four vectors, d * sc per 16), a 2-row x 4-column tile loading each plane once
-// for four columns. A product's arithmetic is fixed_ktile16's, bit for bit: per 64 weights the
-// same exact integer sum, converted and multiply-added with d * sc times x's power of two
-// (permuted to the vector's lanes: permuting commutes with the lane-wise product), then the -32
+// (fixed_codes16's four vectors, scales16's scale and term per 16), a 2-row x 4-column tile loading
+// each plane once for four columns. A product's arithmetic is fixed_ktile16's, bit for bit: per 64
+// weights the same exact integer sum, converted and multiply-added with d * sc times x's power of
+// two (permuted to the vector's lanes: permuting commutes with the lane-wise product), then the
 // term once a super-block, in the same order. 2048 x 8192 (K-tiled) at 16 / 64 rows: 4.0 / 16.6
 // -> 2.0 / 7.8 ms (two Zen 5 threads; dequantize + GEMM 6.9 / 10.7).
 struct DecodedK16 {  // one column's super-block
