@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Callable
 
 from quart import Request, Response, has_request_context, request
@@ -178,14 +179,37 @@ def check_json(value) -> None:
                 stack.extend((item, depth + 1, (where, i)) for i, item in enumerate(v))
 
 
+def json_safe(value):
+    """A client's value to echo back, with every non-finite number (a literal past f64's range, such
+    as 1e309, parses as infinity) as null: a reply holding Infinity is not JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class _NonJsonConstant(ValueError):
+    """NaN, Infinity or -Infinity in a body: Python's json reads them, JSON has no such literals."""
+
+
+def _refuse_constant(name: str):
+    raise _NonJsonConstant(name)
+
+
 async def json_body():
-    """The request body parsed as JSON; empty, malformed, nested too deeply or holding invalid
-    Unicode -> 400 invalid_request_error."""
+    """The request body parsed as JSON; empty, malformed (NaN and Infinity too: not JSON, and a
+    value echoed back would make the reply unreadable to clients), nested too deeply or holding
+    invalid Unicode -> 400 invalid_request_error."""
     raw = await request.get_data(cache=False)  # no second copy kept on the request (blobs are large)
     if not raw or not raw.strip():
         raise invalid("empty request body")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except _NonJsonConstant as e:
+        raise invalid(f"malformed JSON: {e} is not a JSON value") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid(f"malformed JSON: {e}") from None
     except RecursionError:

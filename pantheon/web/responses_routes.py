@@ -19,7 +19,7 @@ from quart import Blueprint, current_app, request
 from pantheon.engine.chat import plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError
 from pantheon.web.chat_request import ChatRequest, function_tools, joined_text, sampling_fields
-from pantheon.web.errors import ApiError, invalid, json_body
+from pantheon.web.errors import ApiError, invalid, json_body, json_safe
 from pantheon.web import sse
 from pantheon.web.generation import (Choice, collect_one, delta_timings, merge_tool_deltas, plan_and_submit,
                                      progress_fields, response_format_status, timings)
@@ -159,7 +159,7 @@ def parse_responses_request(body) -> tuple[ChatRequest, dict]:
             "text": body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "truncation": "disabled", "metadata": body.get("metadata") or {}, "user": body.get("user")}
-    return chat, {"echo": echo, "conversation": conversation}
+    return chat, {"echo": json_safe(echo), "conversation": conversation}
 
 
 def _items(c: Choice, ids: dict) -> list[dict]:

@@ -178,6 +178,34 @@ def test_a_lone_surrogate_elsewhere_is_refused(app):
     assert_400(*raw_post(app, CHAT, chat_json(tools)), "tools")
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_literals_are_not_json(app, literal):
+    """Python's json reads NaN and Infinity; JSON (and llama-server's parser) has no such literals."""
+    status, body = raw_post(app, CHAT, chat_json(f', "temperature": {literal}'))
+    assert_400(status, body, literal)
+    assert "not a JSON value" in body["error"]["message"]
+
+
+def test_a_responses_echo_holds_no_infinity(app):
+    """The Responses API echoes the client's `reasoning`, `text`, `metadata`, ...: a number past
+    f64's range there (1e309 reads as infinity) comes back null, so the reply stays JSON."""
+    import json
+
+    def strict(constant):
+        raise AssertionError(f"non-JSON constant {constant}")
+
+    async def go():
+        r = await app.client.post("/v1/responses", data='{"model": "tiny", "input": "hello", "max_output_tokens": 2, '
+                                  '"reasoning": {"a": 1e309}, "metadata": {"k": [-1e309, 1]}}',
+                                  headers={"Content-Type": "application/json"})
+        return r.status_code, await r.get_data(as_text=True)
+
+    status, text = app.run(go())
+    assert status == 200, text[:500]
+    body = json.loads(text, parse_constant=strict)
+    assert body["reasoning"] == {"a": None} and body["metadata"] == {"k": [None, 1]}
+
+
 def test_a_paired_surrogate_is_a_character(app):
     status, body = raw_post(app, CHAT, chat_json(messages='[{"role": "user", "content": "\\ud83d\\ude00"}]'))
     assert status == 200, body
