@@ -39,6 +39,7 @@ enum GroupType : int64_t { kG4_0 = 2002, kG4_1 = 2003 };
 constexpr bool is_group(int64_t t) { return t == kG4_0 || t == kG4_1; }
 
 constexpr bool is_k(int64_t t) { return (t >= kQ2_K && t <= kQ6_K) || t == kIQ4_XS; }
+constexpr bool is_q_k(int64_t t) { return t >= kQ2_K && t <= kQ6_K; }  // Q2_K..Q6_K: the fixed-point kernel's
 constexpr int64_t k_bytes(int64_t t) {
   return t == kQ2_K ? 84 : t == kQ3_K ? 110 : t == kQ4_K ? 144 : t == kQ5_K ? 176 : t == kQ6_K ? 210
        : t == kIQ4_XS ? 136 : t == kG4_0 ? 8 * 18 : t == kG4_1 ? 8 * 20 : 0;
@@ -53,7 +54,7 @@ constexpr bool has_k_min(int64_t t) { return t == kQ2_K || t == kQ4_K || t == kQ
 // 0.65 ms for Q4_K / Q6_K against 0.35 / 0.39 for the same bytes in rows of 2048).
 constexpr int64_t kTileBlocks = 8;
 constexpr int64_t kTiled = 1000;  // a K type's id + kTiled: its blocks tiled so (qmatmul.py TILED)
-constexpr bool is_tiled(int64_t t) { return t > kTiled && is_k(t - kTiled) && t - kTiled != kIQ4_XS; }  // Q2_K..Q6_K
+constexpr bool is_tiled(int64_t t) { return is_q_k(t - kTiled); }
 
 // Columns a row tile of x runs over before the next row tile (common.h: blocked_columns), so the
 // tile stays in L1 while the block's weights wait in L2 (32 columns of 2048 Q4_K weights are 37
@@ -429,7 +430,7 @@ inline void q6k_ktile(const float* x, const uint8_t* wrow, float* y, int64_t N, 
 // every tile, so a row never depends on its batch. 8192 x 2048 (cold, two Zen 4 threads), one row /
 // four, f32 kernel -> this: Q4_K 0.54 -> 0.35 / 1.44 -> 0.80 ms, Q6_K 0.73 -> 0.39 / 1.50 -> 1.01;
 // the 1 B-shape Q4_K_M decode step 42-43 -> 31 ms.
-constexpr bool fixed_k(int64_t t) { return (is_k(t) && t != kIQ4_XS) || is_group(t); }
+constexpr bool fixed_k(int64_t t) { return is_q_k(t) || is_group(t); }
 
 // x's rows: per 64 weights, planes c2, c1, c0 (64 bytes each; in weight order for Q6_K, `sub` 16;
 // for Q4_K/Q5_K, `sub` 32, a super-block's four vectors v hold weights 32 s + 8 v + i at byte

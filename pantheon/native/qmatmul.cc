@@ -145,17 +145,19 @@ inline void dequant_wide(const uint8_t* b, vkf w[32 / kW], float& d, float& m) {
   if constexpr (packed(t)) {  // codes looked up as f32 (vpermps reads an index's low 4 bits, vpermt2ps 5)
     const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + codes_at(t))));
     const __m512i hi = _mm512_srli_epi32(raw, 4);  // weights 16-31; the low nibbles are 0-15
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if constexpr (five(t)) {  // fifth bit j rotated to bit 4 of lane j % 16, selected in beside the nibble
-      const __m512i qh = _mm512_set1_epi32(static_cast<int>(*reinterpret_cast<const uint32_t*>(b + codes_at(t) - 4)));
+      uint32_t bits;
+      std::memcpy(&bits, b + codes_at(t) - 4, 4);
+      const __m512i qh = _mm512_set1_epi32(static_cast<int>(bits));
       const __m512i by = _mm512_setr_epi32(-4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11), nib = _mm512_set1_epi32(0xF);
       const __m512i lo = _mm512_ternarylogic_epi32(raw, _mm512_rorv_epi32(qh, by), nib, 0xE4);  // c ? a : b
       const __m512i h5 = _mm512_ternarylogic_epi32(hi, _mm512_rorv_epi32(qh, _mm512_add_epi32(by, _mm512_set1_epi32(16))), nib, 0xE4);
-      const __m512 t0 = _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(t == kQ5_0 ? -16.f : 0.f));
-      w[0] = _mm512_permutex2var_ps(t0, lo, _mm512_add_ps(t0, _mm512_set1_ps(16.f)));
-      w[1] = _mm512_permutex2var_ps(t0, h5, _mm512_add_ps(t0, _mm512_set1_ps(16.f)));
+      const __m512 t0 = _mm512_add_ps(codes, _mm512_set1_ps(t == kQ5_0 ? -16.f : 0.f)), t1 = _mm512_add_ps(t0, _mm512_set1_ps(16.f));
+      w[0] = _mm512_permutex2var_ps(t0, lo, t1), w[1] = _mm512_permutex2var_ps(t0, h5, t1);
     } else {
       const __m512 table = t == kIQ4_NL ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(iq4_table()))
-                                        : _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(t == kQ4_0 ? -8.f : 0.f));
+                                        : _mm512_add_ps(codes, _mm512_set1_ps(t == kQ4_0 ? -8.f : 0.f));
       w[0] = _mm512_permutexvar_ps(raw, table), w[1] = _mm512_permutexvar_ps(hi, table);
     }
     return;
@@ -182,7 +184,6 @@ template <int64_t t, int64_t R>
 inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
                  int64_t m0, int64_t n) {
   constexpr int64_t bb = block_bytes(t);
-  constexpr int nv = 32 / kW;
   const int64_t nb = K / 32;
 #if defined(__AVX512F__)
   __m512 acc[R][4];
@@ -207,6 +208,7 @@ inline void tile(const float* x, const float* xsum, const uint8_t* wrow, float* 
   for (int64_t r = 0; r < R; ++r)
     y[(m0 + r) * N + n] = k_hsum(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][2]), _mm512_add_ps(acc[r][1], acc[r][3]))) + macc[r];
 #else
+  constexpr int nv = 32 / kW;
   vkf acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = k_set1(0.f);
   float macc[R] = {};
