@@ -521,14 +521,14 @@ def test_prefill_chunks_go_through_the_kernel_up_to_the_measured_row_counts(monk
 def test_prefill_attention_matches_the_blocked_reference(cache_dtype):
     """The native prefill attention (a chunk's queries against their slots, read in place) against
     cached_attention_blocked on the same caches widened: query heads per kv head 1-6, head dims 16 to
-    128, chunks starting at 0 and deep in the cache, a row whose queries see no key (zeros) and a
+    256 (on AVX-512 those of a multiple of 16 take the 16-wide kernel, 40 the 8-wide one), chunks starting at 0 and deep in the cache, a row whose queries see no key (zeros) and a
     final chunk's padding positioned past the cache."""
     from pantheon.native.attention import attention_prefill
 
     rng = np.random.default_rng()
     for b, t, h, k, d, n_slots, c, start in ((1, 37, 9, 3, 64, 3, 300, 0), (2, 70, 8, 2, 128, 4, 400, 200),
                                              (3, 5, 4, 4, 16, 3, 40, 30), (2, 20, 10, 2, 40, 2, 150, 100),
-                                             (1, 16, 12, 2, 96, 2, 100, 60)):
+                                             (1, 16, 12, 2, 96, 2, 100, 60), (1, 23, 4, 1, 256, 2, 90, 50)):
         if cache_dtype == "q8_0" and d % 32:
             continue
         q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
