@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from pantheon.gguf.arithmetic import NONE, Q8_0, Q8_K, IntBlocks, int_linear, quantize_activations, silu
 from pantheon.model.rope_scaling import RopeScaling
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
-from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qmatmul
+from pantheon.native import build
+from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qgemm, qmatmul
 from pantheon.pallas import dispatch
 from pantheon.pallas.qmatmul import QPlanes
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
@@ -73,12 +74,14 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | QPlanes | IntBlocks, scheme: s
     result is f32 either way."""
     if isinstance(w, QMatrix):
         rows = math.prod(x.shape[:-1])
-        # Long exact prefill chunks (compute-bound: XLA's GEMM) dequantize this one matrix here.
+        # Long exact prefill chunks are compute-bound: an f32 GEMM over the dequantized weights.
         # Rounded activations always go through the kernel, however many rows: its integer dot
         # products are llama.cpp's own arithmetic, row by row, where an f32 GEMM over the same
         # rounded activations sums in another order and flips roundings downstream (a Q8_0 qwen3
         # 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 here).
         if scheme == NONE and rows > kernel_rows(w):
+            if build.gemm() and w.n_out % 32 == 0:  # the native GEMM, a tile of W dequantized at a time
+                return qgemm(x, w)
             dense = dequantize_native(w, after=x).T  # [in, out], as f32 weights are held
             return jnp.einsum("...i,io->...o", x, dense, preferred_element_type=jnp.float32)
         # the kernel rounds x itself (Q8_0/Q8_1, or Q8_K against K-quants) and sums integer dots;

@@ -40,6 +40,8 @@ HEADERS = ("common.h", "kquants.h")
 TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_dequantize": "PantheonDequantize",
            "pantheon_attention_decode": "PantheonAttentionDecode",
            "pantheon_attention_prefill": "PantheonAttentionPrefill"}
+# ... and those an AVX-512 build adds: the GEMM of long exact prefill chunks (qmatmul.qgemm)
+WIDE_TARGETS = {"pantheon_qgemm": "PantheonQGemm"}
 
 # PANTHEON_NATIVE_ISA -> the compiler's target: this CPU, or AVX2 with FMA and F16C only (Haswell's
 # set, which every AVX-512 CPU also runs), so the 8-wide paths are tested on any machine.
@@ -71,6 +73,11 @@ def fixed_point() -> bool:
     """Whether the built K-quant kernels take x as 23-bit fixed point (AVX-512 VNNI) and so read
     K-tiled blocks (qmatmul.tile_k); False when not built."""
     return bool(_state.get("fixed_point")) if available() else False
+
+
+def gemm() -> bool:
+    """Whether the built kernels include the dequantizing GEMM of long prefill chunks (AVX-512)."""
+    return bool(_state.get("gemm")) if available() else False
 
 
 def unavailable_reason() -> str | None:
@@ -135,8 +142,10 @@ def _load() -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
             _state["vector_width"] = int(lib.pantheon_vector_width())
             _state["fixed_point"] = bool(lib.pantheon_fixed_point())
-            for target, symbol in TARGETS.items():
+            wide = {t: s for t, s in WIDE_TARGETS.items() if hasattr(lib, s)}
+            for target, symbol in {**TARGETS, **wide}.items():
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            _state["gemm"] = "pantheon_qgemm" in wide
             return True
         except Exception as e:  # noqa: BLE001 - any build or load failure means: the jnp paths
             _state["reason"] = f"build failed: {e}"

@@ -470,28 +470,68 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 // w[N, row bytes] -> f32 [N, K]: the values ggml's dequantize_row_* gives (and gguf/quants.py's
 // jnp reference, exactly: one multiply and one add or subtract per weight, nothing fused). A
 // prefill chunk of many rows is compute-bound: XLA's f32 GEMM runs on these, one matrix at a time.
+// Weights [k0, k1) of row n (multiples of the block's 256 or 32 weights) -> f32 at o.
 template <int64_t t>
-void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n1, bool tiled = false, int64_t N = 0) {
+void dequant_part(const uint8_t* w, int64_t n, int64_t N, int64_t K, int64_t k0, int64_t k1, bool tiled, float* o) {
   if constexpr (is_k(t)) {
     constexpr int per_sub = static_cast<int>(k_sub(t) / 8);
     SuperBlock sb;
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t j = 0; j < K / 256; ++j) {
-        codes_k<t>(w + block_offset(tiled, n, j, N, K / 256, k_bytes(t)), sb);
-        float* o = out + n * K + j * 256;
-        for (int v = 0; v < 32; ++v)
-          store8(o + 8 * v, code_f32(sb, v) * (v8f{} + sb.scale[v / per_sub]) - (v8f{} + sb.min[v / per_sub]));
-      }
+    for (int64_t j = k0 / 256; j < k1 / 256; ++j, o += 256) {
+      codes_k<t>(w + block_offset(tiled, n, j, N, K / 256, k_bytes(t)), sb);
+      for (int v = 0; v < 32; ++v)
+        store8(o + 8 * v, code_f32(sb, v) * (v8f{} + sb.scale[v / per_sub]) - (v8f{} + sb.min[v / per_sub]));
+    }
   } else {
-    const int64_t row_bytes = K / 32 * block_bytes(t);
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t j = 0; j < K / 32; ++j) {
-        v8f q[4];
-        float d, m;
-        dequant<t>(w + n * row_bytes + j * block_bytes(t), q, d, m);
-        for (int i = 0; i < 4; ++i) store8(out + n * K + j * 32 + 8 * i, has_min(t) ? d * q[i] + m : d * q[i]);
-      }
+    const uint8_t* row = w + n * (K / 32 * block_bytes(t));
+    for (int64_t j = k0 / 32; j < k1 / 32; ++j, o += 32) {
+      v8f q[4];
+      float d, m;
+      dequant<t>(row + j * block_bytes(t), q, d, m);
+      for (int i = 0; i < 4; ++i) store8(o + 8 * i, has_min(t) ? d * q[i] + m : d * q[i]);
+    }
   }
+}
+
+template <int64_t t>
+void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n1, bool tiled = false, int64_t N = 0) {
+  for (int64_t n = n0; n < n1; ++n) dequant_part<t>(w, n, N, K, 0, K, tiled, out + n * K);
+}
+
+// f(std::integral_constant<int64_t, t>{}) for the block type t of a Dequantize / QGemm qtype.
+template <class F>
+void by_block_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kU4_1: return f(std::integral_constant<int64_t, kU4_1>{});
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kIQ4_NL: return f(std::integral_constant<int64_t, kIQ4_NL>{});
+    case kF16: return f(std::integral_constant<int64_t, kF16>{});
+    case kBF16: return f(std::integral_constant<int64_t, kBF16>{});
+    case kQ2_K: return f(std::integral_constant<int64_t, kQ2_K>{});
+    case kQ3_K: return f(std::integral_constant<int64_t, kQ3_K>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kIQ4_XS: return f(std::integral_constant<int64_t, kIQ4_XS>{});
+    default: return f(std::integral_constant<int64_t, kQ6_K>{});
+  }
+}
+
+// A Dequantize / QGemm qtype's shape: (tiled, block type, bytes per block, weights per block), or
+// an error where w [N, row bytes] does not hold rows of K weights of that type.
+struct BlockShape {
+  bool tiled;
+  int64_t type, bytes, per;
+};
+inline bool block_shape(int64_t qtype, int64_t K, int64_t row_bytes, BlockShape& s) {
+  s.tiled = is_tiled(qtype);
+  s.type = s.tiled ? qtype - kTiled : qtype;
+  const bool k = is_k(s.type);
+  s.bytes = k ? k_bytes(s.type) : block_bytes(s.type);
+  s.per = k ? 256 : 32;
+  return s.bytes != 0 && K % s.per == 0 && row_bytes == K / s.per * s.bytes;
 }
 
 // `after` is only an ordering dependency (dequantize_native): its values are not read.
@@ -500,35 +540,149 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<
   const auto wd = w.dimensions(), od = out->dimensions();
   if (wd.size() != 2 || od.size() != 2 || wd[0] != od[0]) return ffi::Error::InvalidArgument("dequantize: bad shapes");
   const int64_t N = od[0], K = od[1];
-  const bool tiled = is_tiled(qtype);
-  if (tiled) qtype -= kTiled;
-  const bool k = is_k(qtype);
-  const int64_t bytes = k ? k_bytes(qtype) : block_bytes(qtype), per = k ? 256 : 32;
-  if (bytes == 0 || K % per != 0 || wd[1] != K / per * bytes) return ffi::Error::InvalidArgument("dequantize: bad type");
+  BlockShape shape;
+  if (!block_shape(qtype, K, wd[1], shape)) return ffi::Error::InvalidArgument("dequantize: bad type");
   const uint8_t* wp = w.typed_data();
   float* op = out->typed_data();
   const int64_t threads = N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   parallel_for(pool, threads, N, std::max<int64_t>(16, N / (4 * threads) + 1), [&](int64_t n0, int64_t n1) {
-    switch (qtype) {
-      case kQ8_0: dequant_rows<kQ8_0>(wp, op, K, n0, n1); break;
-      case kU4_1: dequant_rows<kU4_1>(wp, op, K, n0, n1); break;
-      case kQ4_0: dequant_rows<kQ4_0>(wp, op, K, n0, n1); break;
-      case kQ4_1: dequant_rows<kQ4_1>(wp, op, K, n0, n1); break;
-      case kQ5_0: dequant_rows<kQ5_0>(wp, op, K, n0, n1); break;
-      case kQ5_1: dequant_rows<kQ5_1>(wp, op, K, n0, n1); break;
-      case kIQ4_NL: dequant_rows<kIQ4_NL>(wp, op, K, n0, n1); break;
-      case kF16: dequant_rows<kF16>(wp, op, K, n0, n1); break;
-      case kBF16: dequant_rows<kBF16>(wp, op, K, n0, n1); break;
-      case kQ2_K: dequant_rows<kQ2_K>(wp, op, K, n0, n1, tiled, N); break;
-      case kQ3_K: dequant_rows<kQ3_K>(wp, op, K, n0, n1, tiled, N); break;
-      case kQ4_K: dequant_rows<kQ4_K>(wp, op, K, n0, n1, tiled, N); break;
-      case kQ5_K: dequant_rows<kQ5_K>(wp, op, K, n0, n1, tiled, N); break;
-      case kIQ4_XS: dequant_rows<kIQ4_XS>(wp, op, K, n0, n1); break;
-      default: dequant_rows<kQ6_K>(wp, op, K, n0, n1, tiled, N); break;
-    }
+    by_block_type(shape.type, [&](auto t) { dequant_rows<decltype(t)::value>(wp, op, K, n0, n1, shape.tiled, N); });
   });
   return ffi::Error::Success();
 }
+
+#if defined(__AVX512F__)
+// ---- long exact prefill chunks: a GEMM over weights dequantized a tile at a time -----------------
+//
+// y = x W^T for many rows of f32 x, where the product is compute-bound: per column panel of
+// kGemmCols outputs and depth block of kGemmDepth weights, the panel's weights are dequantized
+// (ggml's values, as Dequantize writes them) into L1, transposed to [depth][columns], and every
+// 14-row tile of x multiplies it in registers (14 x 32 sums, two 16-wide loads and 14 broadcasts
+// per depth step). What dequantize-then-XLA's-GEMM computes, without the layer's f32 weights
+// written out and read back, and with each output a single f32 FMA chain over k in order: a row's
+// result does not depend on its batch-mates or its tile (a tail tile's rows are padded with zeros).
+constexpr int64_t kGemmRows = 14, kGemmCols = 32, kGemmDepth = 256;
+
+// dst[j][i] = src[i][j] for a 16 x 16 block (rows ss and ds floats apart).
+inline void transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i + 1 interleaved, columns 0-1 / 2-3
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], lane L: rows 4i .. 4i + 3 of column 4L + c
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c gathers lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512 w0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), w1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+    const __m512 w2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), w3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+    _mm512_storeu_ps(dst + c * ds, _mm512_shuffle_f32x4(w0, w2, 0x88));
+    _mm512_storeu_ps(dst + (c + 8) * ds, _mm512_shuffle_f32x4(w0, w2, 0xdd));
+    _mm512_storeu_ps(dst + (c + 4) * ds, _mm512_shuffle_f32x4(w1, w3, 0x88));
+    _mm512_storeu_ps(dst + (c + 12) * ds, _mm512_shuffle_f32x4(w1, w3, 0xdd));
+  }
+}
+
+// c[14][32] (+)= xp[k][14] . panel[k][32] over k < depth.
+inline void gemm_tile(const float* xp, const float* panel, int64_t depth, float* c, int64_t ldc, bool first) {
+  __m512 a[kGemmRows][2];
+  for (int r = 0; r < kGemmRows; ++r)
+    for (int h = 0; h < 2; ++h) a[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * h);
+  for (int64_t k = 0; k < depth; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kGemmCols), w1 = _mm512_loadu_ps(panel + k * kGemmCols + 16);
+    for (int r = 0; r < kGemmRows; ++r) {
+      const __m512 xb = _mm512_set1_ps(xp[k * kGemmRows + r]);
+      a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
+    }
+  }
+  for (int r = 0; r < kGemmRows; ++r)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + r * ldc + 16 * h, a[r][h]);
+}
+
+// Output columns [n0, n1) (multiples of kGemmCols) of y [M, N], the sums over k in [ka, kb) added
+// to those before ka; xp: x packed tile-major, [tiles][K][14]; tails: per column panel, the last
+// tile's rows (y holds only M of them).
+template <int64_t t>
+void gemm_columns(const float* xp, const uint8_t* w, bool tiled, float* y, float* tails, int64_t M, int64_t N,
+                  int64_t K, int64_t ka, int64_t kb, int64_t n0, int64_t n1) {
+  alignas(64) float rows[kGemmCols * kGemmDepth], panel[kGemmDepth * kGemmCols];
+  const int64_t tiles = (M + kGemmRows - 1) / kGemmRows, full = M / kGemmRows;
+  for (int64_t nb = n0; nb < n1; nb += kGemmCols) {
+    float* tail = tails + nb / kGemmCols * kGemmRows * kGemmCols;
+    for (int64_t k0 = ka; k0 < kb; k0 += kGemmDepth) {
+      const int64_t depth = std::min(kGemmDepth, kb - k0);  // a multiple of 32
+      for (int64_t c = 0; c < kGemmCols; ++c) dequant_part<t>(w, nb + c, N, K, k0, k0 + depth, tiled, rows + c * depth);
+      for (int64_t c = 0; c < kGemmCols; c += 16)
+        for (int64_t k = 0; k < depth; k += 16) transpose16(rows + c * depth + k, depth, panel + k * kGemmCols + c, kGemmCols);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const float* xt = xp + (i * K + k0) * kGemmRows;
+        if (i < full) gemm_tile(xt, panel, depth, y + i * kGemmRows * N + nb, N, k0 == 0);
+        else gemm_tile(xt, panel, depth, tail, kGemmCols, k0 == 0);
+      }
+    }
+    if (kb == K)
+      for (int64_t r = full * kGemmRows; r < M; ++r)
+        std::memcpy(y + r * N + nb, tail + (r - full * kGemmRows) * kGemmCols, sizeof(float) * kGemmCols);
+  }
+}
+
+// x's rows are read once per column panel: the depth runs in spans whose part of x (M rows) stays
+// within this many bytes (L2 and L3 hold it while every panel reads it; a 512 x 8192 x streamed from
+// memory 64 times took a 2048 x 8192 product from 35 to 47 ms).
+constexpr int64_t kGemmSpanBytes = int64_t{2} << 20;
+
+ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
+                 int64_t qtype) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qgemm: x and w must be 2-D");
+  const int64_t K = xd[1], N = wd[0];
+  BlockShape shape;
+  if (!block_shape(qtype, K, wd[1], shape)) return ffi::Error::InvalidArgument("qgemm: w does not match x");
+  if (N % kGemmCols != 0) return ffi::Error::InvalidArgument("qgemm: outputs must be a multiple of 32");
+  // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
+  const int64_t M = live_rows(x.typed_data(), xd[0], K);
+  std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
+  const int64_t tiles = (M + kGemmRows - 1) / kGemmRows;
+  std::unique_ptr<float[]> packed(new float[tiles * K * kGemmRows + 1]);
+  const float* xs = x.typed_data();
+  const int64_t threads = pool_threads(pool);
+  parallel_for(pool, tiles > 1 ? threads : 1, tiles, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // tile i: [K][14] (written in order), rows past M zero
+      const int64_t live = std::min(kGemmRows, M - i * kGemmRows);
+      const float* src = xs + i * kGemmRows * K;
+      float* dst = packed.get() + i * K * kGemmRows;
+      for (int64_t k = 0; k < K; ++k, dst += kGemmRows) {
+        int64_t r = 0;
+        for (; r < live; ++r) dst[r] = src[r * K + k];
+        for (; r < kGemmRows; ++r) dst[r] = 0.f;
+      }
+    }
+  });
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t panels = N / kGemmCols;
+  const int64_t chunk = std::max<int64_t>(1, panels / (4 * threads));
+  std::unique_ptr<float[]> tails(new float[panels * kGemmRows * kGemmCols]);
+  const int64_t span = std::max<int64_t>(kGemmDepth, kGemmSpanBytes / (4 * std::max<int64_t>(M, 1)) / kGemmDepth * kGemmDepth);
+  for (int64_t ka = 0; ka < K; ka += span) {
+    const int64_t kb = std::min(K, ka + span);
+    parallel_for(pool, M > 0 ? threads : 1, panels, chunk, [&](int64_t p0, int64_t p1) {
+      by_block_type(shape.type, [&](auto t) {
+        gemm_columns<decltype(t)::value>(packed.get(), wp, shape.tiled, yp, tails.get(), M, N, K, ka, kb,
+                                         p0 * kGemmCols, p1 * kGemmCols);
+      });
+    });
+  }
+  return ffi::Error::Success();
+}
+#endif
 
 }  // namespace
 }  // namespace pantheon
@@ -549,6 +703,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("qtype"));
+
+#if defined(__AVX512F__)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQGemm, pantheon::QGemm,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("qtype"));
+#endif
 
 // f32 lanes of the vectors these kernels were built with (build.vector_width): 16 with AVX-512, else 8.
 extern "C" int pantheon_vector_width() { return pantheon::kW; }

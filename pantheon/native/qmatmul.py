@@ -32,56 +32,42 @@ IQ4_NL = 20  # Q4_0's layout, the nibbles index a table of 16 int8 values (gguf.
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14  # K-quants: 256-weight super-blocks (kquants.h)
 IQ4_XS = 23  # read as a K-quant: eight 32-weight sub-blocks of IQ4_NL indices with 6-bit scales
 K_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS})
-# A product of more rows than this (a prefill chunk) is compute-bound: the blocks are dequantized in
-# the program and XLA's f32 GEMM runs (layers.linear); up to it the kernel reads them (a 16-token
-# chunk of the default model: 71 -> 50 ms; at 32 tokens the f32 GEMM is ahead, 99 against 109 ms).
-# A large matrix costs more to dequantize: from LARGE_MATRIX weights the kernel takes up to twice
-# the rows (an 8192 x 2048 matrix at 32 rows, f32 activations: Q4_K 22 against 31 ms, Q6_K 25
-# against 35, Q8_0 18 against 31; at 64 rows the GEMM is level or ahead).
+# A product of more rows than kernel_rows (a prefill chunk) is compute-bound: an f32 GEMM runs over
+# the weights dequantized (layers.linear), on AVX-512 the native one (`qgemm`, a tile at a time),
+# elsewhere XLA's over the matrix dequantized in the program; up to it the kernel reads the blocks.
+# On AVX2 (8-wide, dequantize-and-XLA's GEMM): a 16-token chunk of the default model 71 -> 50 ms
+# in the kernel; at 32 tokens the GEMM is ahead, 99 against 109 ms. A large matrix costs more to
+# dequantize: from LARGE_MATRIX weights the kernel takes up to twice the rows.
 KERNEL_MAX_ROWS = 16
 LARGE_MATRIX = 1 << 22
-# The fixed-point K-quant kernel (kquants.h; AVX-512 VNNI, exact numerics) keeps the lead further,
-# its row tiles run over blocks of columns (kColumnBlock): Q4_K 2048 x 2048 at 48 rows 3.6 against
-# 4.2 ms (at 64 the GEMM, 4.4 against 4.0); 8192 x 2048 at 64 rows Q4_K 16.0-17.9 against
-# 21.4-21.7, 49152 x 2048 Q6_K 123 against 154 (level at 96); 2048 x 8192 (K tiles) at 64 rows Q4_K
-# 20.0-24.6 against 21.6-23.0, Q6_K 23.7-28.8 against 24.4-26.4 (level; at 32 rows 10.4 against
-# 17.5, 13.1-15.1 against 18.5-21.1).
-# (Q6_K's from 8 rows as a GEMM too, kquants.h: fixed_gemm16; at 128 rows level with dequantize-and-
-# GEMM on a Zen 5, so these limits stand. Q2_K and Q3_K take the same kernels and limits: 8192 x
-# 2048 at 64 / 128 rows 7.2 / 14.6 against 8.6-9.3 / 13.2-13.3 ms, two Zen 5 threads.)
-FIXED_KERNEL_ROWS, FIXED_LARGE_KERNEL_ROWS = 48, 64
-# From 8 rows its Q4_K/Q5_K products run as a GEMM over columns decoded once (kquants.h:
-# fixed_gemm32), level with dequantize-and-GEMM at 256 rows: 8192 x 2048 Q4_K at 64 / 128 / 256 /
-# 512 rows 13.3 / 27.9 / 56.7 / 111 against 32.1 / 32.9 / 55.7 / 97.5 ms; 2048 x 2048 at 128 / 256
-# 7.3 / 14.6 against 8.3 / 15.2; 2048 x 8192 (K tiles) at 128 28.4 against 35.7; Q5_K 8192 x 2048
-# at 256 54.3 against 56.4.
-GEMM_KERNEL_ROWS, GEMM_TYPES = 256, frozenset({Q4_K, Q5_K})
-# Q4_0/Q4_1 rows of a multiple of 256 weights go the same way, eight blocks read as one super-block
-# (kquants.h: fixed_group): 16384 x 2048 Q4_0 at one row 1.06 -> 0.89 ms, 3072 x 2048 0.32 -> 0.14,
-# the 1 B-shape Q4_0 decode step's products 39 -> 30 ms; at 256 rows 46 against dequantize + GEMM's 50.
+# Where the fixed-point K-quant kernel runs (kquants.h; AVX-512 VNNI, exact numerics), `qgemm` takes
+# over at (two Zen 5 threads, 8192 x 2048, kernel against qgemm): Q6_K at 32 / 48 / 64 rows 3.5 /
+# 5.3 / 7.0 against 4.0 / 4.9 / 6.2 ms (2048 x 8192 K-tiled 3.8 / 5.6 against 4.1 / 5.0), so Q2_K,
+# Q3_K and Q6_K from 32 rows ...
+FIXED_KERNEL_ROWS = 32
+# ... Q4_K/Q5_K, whose products from 8 rows run as a GEMM over columns decoded once (kquants.h:
+# fixed_gemm32), from 128: 128 / 192 / 256 rows 9.7 / 14.7 / 19.7 against 10.5 / 14.2 / 18.7 ms
+# (2048 x 2048 at 128 / 192: 2.5 / 3.8 against 2.6 / 3.6) ...
+GEMM_KERNEL_ROWS, GEMM_TYPES = 128, frozenset({Q4_K, Q5_K})
+# ... as Q4_0/Q4_1 rows of a multiple of 256 weights, eight blocks read as one super-block
+# (kquants.h: fixed_group; 16384 x 2048 Q4_0 at one row 1.06 -> 0.89 ms against the f32 kernel):
+# at 96 / 128 / 192 rows 7.4 / 10.0 / 15.1 against 7.6 / 10.3 / 14.2 ms ...
 GROUP_TYPES = frozenset({Q4_0, Q4_1})
-# On AVX-512 (where the fixed-point kernel is built) the f32 kernels' row tiles run over blocks of
-# columns (kquants.h: kColumnBlock) with x's tile in L1, not column by column: 8192 x 2048 IQ4_XS at
-# 16 / 32 / 48 rows 3.7 / 7.9 / 12.0 -> 2.1 / 4.4 / 6.5 ms, Q5_0 3.5 / 8.9 / 13.5 -> 2.3 / 4.6 / 7.0,
-# and they keep the lead over dequantize-and-GEMM further (two Zen 5 threads, IQ4_XS / Q8_0 against
-# it): 8192 x 2048 at 64 rows 8.8 / 9.2 against 9.6-10.0, at 96 13.3 / 13.9 against 11.7-12.3;
-# 2048 x 8192 at 32 6.3 / 6.0 against 7.6-7.7, at 64 12.2-12.4 against 9.4; 2048 x 2048 at 64 2.1 /
-# 2.3 against 1.9-2.3; 512 x 2048 at 96 0.85 against 1.1.
-WIDE_KERNEL_ROWS, WIDE_LARGE_KERNEL_ROWS = 64, 48
+# ... and the f32 kernels' row tiles (over blocks of columns, kquants.h: kColumnBlock) from 32: Q8_0 at
+# 32 / 48 / 64 rows 3.3 / 4.8 / 6.5 against 3.5 / 4.5 / 5.6 ms, Q5_0 3.8 / 5.7 / 7.6 against 3.7 /
+# 4.6 / 5.9.
+WIDE_KERNEL_ROWS = 32
 
 
 def kernel_rows(w: "QMatrix") -> int:
-    """The most rows of f32 activations the kernel multiplies with w (more: dequantize, GEMM)."""
-    large = w.n_in * w.n_out >= LARGE_MATRIX
-    if w.qtype in GROUP_TYPES and w.n_in % 256 == 0 and build.fixed_point():
+    """The most rows of f32 activations the kernel multiplies with w (more: an f32 GEMM)."""
+    if not build.fixed_point():
+        return 2 * KERNEL_MAX_ROWS if w.n_in * w.n_out >= LARGE_MATRIX else KERNEL_MAX_ROWS
+    if (w.qtype in GROUP_TYPES and w.n_in % 256 == 0) or base_type(w.qtype) in GEMM_TYPES:
         return GEMM_KERNEL_ROWS
-    if base_type(w.qtype) in TILEABLE and build.fixed_point():
-        if base_type(w.qtype) in GEMM_TYPES:
-            return GEMM_KERNEL_ROWS
-        return FIXED_LARGE_KERNEL_ROWS if large else FIXED_KERNEL_ROWS
-    if build.fixed_point():
-        return WIDE_LARGE_KERNEL_ROWS if large else WIDE_KERNEL_ROWS
-    return 2 * KERNEL_MAX_ROWS if large else KERNEL_MAX_ROWS
+    return FIXED_KERNEL_ROWS if base_type(w.qtype) in TILEABLE else WIDE_KERNEL_ROWS
+
+
 # Pantheon's own: d and m (fp16), then 32 unsigned codes, one per byte: Q4_1/Q5_1 unpacked (`unpack_nibbles`)
 U4_1 = 1003
 # Q2_K-Q6_K blocks K-tile-major (`tile_k`): type id + TILED. Tile i holds super-blocks
@@ -213,6 +199,16 @@ def dequantize_native(w: QMatrix, after: jax.Array | None = None) -> jax.Array:
     call = jax.ffi.ffi_call("pantheon_dequantize", jax.ShapeDtypeStruct((w.n_out, w.n_in), jnp.float32))
     dep = jnp.zeros((1,), jnp.float32) if after is None else after.reshape(-1)[:1].astype(jnp.float32)
     return call(w.blocks, dep, qtype=np.int64(w.qtype))
+
+
+def qgemm(x: jax.Array, w: QMatrix) -> jax.Array:
+    """x [..., n_in] f32 -> x W^T [..., n_out] for long prefill chunks (exact numerics; AVX-512 builds,
+    build.gemm()): the native GEMM over weights dequantized a tile at a time (qmatmul.cc: QGemm), the
+    values dequantize_native gives, never the whole matrix as f32. n_out a multiple of 32."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.n_in).astype(jnp.float32)
+    call = jax.ffi.ffi_call("pantheon_qgemm", jax.ShapeDtypeStruct((x2.shape[0], w.n_out), jnp.float32))
+    return call(x2, w.blocks, qtype=np.int64(w.qtype)).reshape(*lead, w.n_out)
 
 
 def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
