@@ -133,17 +133,19 @@ class Helpers {
 };
 
 // Items [0, n) in chunks of `chunk`, on this thread and up to `threads - 1` others: the spinning
-// helpers, or (while they run another loop) XLA's pool threads, which hold the loop by a shared
-// pointer so that one starting after the last chunk touches nothing of this frame. `body` may
-// reference the caller's stack.
+// helpers, or (while they run another loop, or for a long loop: `helpers` false) XLA's pool
+// threads, which hold the loop by a shared pointer so that one starting after the last chunk
+// touches nothing of this frame. `body` may reference the caller's stack. A loop of milliseconds
+// amid XLA's own operations takes XLA's threads: the helpers' cores are the ones XLA's threads
+// spin on between operations, and each ran at half speed (a Gemma 3 270M prefill's GEMMs, 2x).
 inline void parallel_for(ffi::ThreadPool& pool, int64_t threads, int64_t n, int64_t chunk,
-                         const std::function<void(int64_t, int64_t)>& body) {
+                         const std::function<void(int64_t, int64_t)>& body, bool helpers = true) {
   auto work = std::make_shared<ParallelLoop>();
   work->n = n;
   work->chunk = chunk > 0 ? chunk : 1;
   work->chunks = (n + work->chunk - 1) / work->chunk;
   work->body = &body;
-  if (threads > 1 && work->chunks > 1 && Helpers::get(pool_threads(pool) - 1).run(*work)) return;
+  if (helpers && threads > 1 && work->chunks > 1 && Helpers::get(pool_threads(pool) - 1).run(*work)) return;
   for (int64_t i = 1; i < threads && i < work->chunks; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();

@@ -664,7 +664,7 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
         for (; r < kGemmRows; ++r) dst[r] = 0.f;
       }
     }
-  });
+  }, false);
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t panels = N / kGemmCols;
@@ -678,7 +678,7 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
         gemm_columns<decltype(t)::value>(packed.get(), wp, shape.tiled, yp, tails.get(), M, N, K, ka, kb,
                                          p0 * kGemmCols, p1 * kGemmCols);
       });
-    });
+    }, false);
   }
   return ffi::Error::Success();
 }
