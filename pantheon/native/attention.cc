@@ -22,27 +22,40 @@ namespace pantheon {
 namespace {
 
 // e^x for x <= 0 (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); 0 below
-// -87.3, where the f32 result would be subnormal or 0.
-inline v8f exp8(v8f x) {
-  const __m256 xs = (__m256)x;
-  const __m256 lo = _mm256_set1_ps(-87.33654f);
-  const __m256 under = _mm256_cmp_ps(xs, lo, _CMP_LT_OQ);
-  __m256 v = _mm256_max_ps(xs, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  v = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
-  v = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), v);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, v, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, v), v, _mm256_add_ps(v, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return (v8f)_mm256_andnot_ps(under, r);
+// -87.3, where the f32 result would be subnormal or 0. One definition for 8 and 16 lanes: `Ops`
+// gives the vector operations (Lanes8 below, Lanes16 with the 16-wide prefill).
+template <class Ops, class V = typename Ops::V>
+inline V exp_lanes(V x) {
+  const V lo = Ops::set1(-87.33654f);
+  const auto under = Ops::less(x, lo);
+  V v = Ops::max(x, lo);
+  const V n = Ops::round(Ops::mul(v, Ops::set1(1.44269504088896341f)));
+  v = Ops::fnmadd(n, Ops::set1(0.693359375f), v);
+  v = Ops::fnmadd(n, Ops::set1(-2.12194440e-4f), v);
+  V p = Ops::set1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = Ops::fmadd(p, v, Ops::set1(c));
+  p = Ops::fmadd(Ops::mul(p, v), v, Ops::add(v, Ops::set1(1.f)));
+  return Ops::zero_where(under, Ops::mul(p, Ops::pow2(n)));
 }
+
+struct Lanes8 {
+  using V = __m256;
+  static V set1(float f) { return _mm256_set1_ps(f); }
+  static V less(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V pow2(V n) {  // 2^n for integral n
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static V zero_where(V mask, V a) { return _mm256_andnot_ps(mask, a); }
+};
+
+inline v8f exp8(v8f x) { return (v8f)exp_lanes<Lanes8>((__m256)x); }
 
 // Eight cache values as f32, from the cache's element type: f32, f16 (F16C) or bf16 (the upper
 // half of an f32). Both conversions are exact, so a cache's values enter the same arithmetic.
@@ -432,25 +445,24 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
 
 typedef __m512 v16f;
 
-// exp8's e^x, 16 lanes: the same operations, so the same values.
-inline v16f exp16(v16f x) {
-  const v16f lo = _mm512_set1_ps(-87.33654f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  v16f v = _mm512_max_ps(x, lo);
-  const v16f n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  v = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-  v = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), v);
-  v16f p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, v), v, _mm512_add_ps(v, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
-}
+struct Lanes16 {
+  using V = __m512;
+  static V set1(float f) { return _mm512_set1_ps(f); }
+  static __mmask16 less(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static V zero_where(__mmask16 mask, V a) { return _mm512_maskz_mov_ps(static_cast<__mmask16>(~mask), a); }
+};
+
+// exp8's e^x on 16 lanes (the same operations, so the same values).
+inline v16f exp16(v16f x) { return exp_lanes<Lanes16>(x); }
 
 constexpr int64_t kTileKeys = 3, kTileRows = 6, kTileDims = 64;
 
