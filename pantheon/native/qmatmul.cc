@@ -467,10 +467,9 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 }
 
 // ---- dequantization for long prefill chunks ------------------------------------------------
-// w[N, row bytes] -> f32 [N, K]: the values ggml's dequantize_row_* gives (and gguf/quants.py's
-// jnp reference, exactly: one multiply and one add or subtract per weight, nothing fused). A
-// prefill chunk of many rows is compute-bound: XLA's f32 GEMM runs on these, one matrix at a time.
-// Weights [k0, k1) of row n (multiples of the block's 256 or 32 weights) -> f32 at o.
+// Weights [k0, k1) of row n (multiples of the block's 256 or 32 weights) -> f32 at o: the values
+// ggml's dequantize_row_* gives (and gguf/quants.py's jnp reference, exactly: one multiply and one
+// add or subtract per weight, nothing fused).
 template <int64_t t>
 void dequant_part(const uint8_t* w, int64_t n, int64_t N, int64_t K, int64_t k0, int64_t k1, bool tiled, float* o) {
   if constexpr (is_k(t)) {
@@ -492,6 +491,8 @@ void dequant_part(const uint8_t* w, int64_t n, int64_t N, int64_t K, int64_t k0,
   }
 }
 
+// Rows [n0, n1) of w [N, row bytes] -> f32 [N, K]. A prefill chunk of many rows is compute-bound:
+// where QGemm is not built (AVX2), XLA's f32 GEMM runs on these, one matrix at a time.
 template <int64_t t>
 void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n1, bool tiled = false, int64_t N = 0) {
   for (int64_t n = n0; n < n1; ++n) dequant_part<t>(w, n, N, K, 0, K, tiled, out + n * K);
@@ -649,6 +650,7 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
   const int64_t M = live_rows(x.typed_data(), xd[0], K);
   std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
+  if (M == 0) return ffi::Error::Success();
   const int64_t tiles = (M + kGemmRows - 1) / kGemmRows;
   std::unique_ptr<float[]> packed(new float[tiles * K * kGemmRows + 1]);
   const float* xs = x.typed_data();
@@ -673,7 +675,7 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   const int64_t span = std::max<int64_t>(kGemmDepth, kGemmSpanBytes / (4 * std::max<int64_t>(M, 1)) / kGemmDepth * kGemmDepth);
   for (int64_t ka = 0; ka < K; ka += span) {
     const int64_t kb = std::min(K, ka + span);
-    parallel_for(pool, M > 0 ? threads : 1, panels, chunk, [&](int64_t p0, int64_t p1) {
+    parallel_for(pool, threads, panels, chunk, [&](int64_t p0, int64_t p1) {
       by_block_type(shape.type, [&](auto t) {
         gemm_columns<decltype(t)::value>(packed.get(), wp, shape.tiled, yp, tails.get(), M, N, K, ka, kb,
                                          p0 * kGemmCols, p1 * kGemmCols);

@@ -494,6 +494,7 @@ def test_the_prefill_gemm_is_the_dequantized_product_row_by_row(qtype):
         exact = np.asarray(x, np.float64) @ dense.T.astype(np.float64)
         assert np.abs(got - exact).max() <= 2e-6 * np.abs(exact).max() * np.sqrt(n_in / 32)
         assert not got[290:].any()
+        assert not np.asarray(jax.jit(qgemm)(jnp.zeros_like(x[:5]), w)).any()  # all padding: nothing computed
         for a, e in ((0, 1), (5, 19), (14, 28), (280, 290)):
             np.testing.assert_array_equal(np.asarray(jax.jit(qgemm)(x[a:e], w)), got[a:e])
         if qtype in K_QTYPES and qtype != Q.IQ4_XS and n_in >= 4096:
