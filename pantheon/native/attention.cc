@@ -360,6 +360,35 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 // the keys past its own.
 constexpr int64_t kQueries = 16, kKeys = 64;
 
+// Keys any of a task's nq queries sees: 0..reach-1 (a final chunk's padding may sit past the cache).
+inline int64_t keys_reached(const int32_t* pos, int64_t nq, int64_t C) {
+  int64_t reach = 0;
+  for (int64_t t = 0; t < nq; ++t) reach = std::max<int64_t>(reach, std::min<int64_t>(pos[t], C - 1) + 1);
+  return reach;
+}
+
+// Positions j0 .. j0 + n of kv head kh (position j at k, v + j * step) widened to f32 once for
+// every query of a task: kf, vf [n, D].
+template <class Cache, class T = typename Cache::T>
+inline void widen_keys(const T* k, const T* v, int64_t j0, int64_t n, int64_t step, int64_t kh, int64_t D, float* kf,
+                       float* vf) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < D / 8; ++c) {
+      store8(kf + j * D + 8 * c, Cache::load(Cache::at(k, (j0 + j) * step), kh * D + 8 * c));
+      store8(vf + j * D + 8 * c, Cache::load(Cache::at(v, (j0 + j) * step), kh * D + 8 * c));
+    }
+}
+
+// A task's rows (r = t * G + g: query t, head kh * G + g) out: acc[r] / l[r], zeros where no key was seen.
+inline void write_rows(const float* acc, const float* l, int64_t rows, int64_t G, int64_t H, int64_t kh, int64_t D,
+                       float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + ((r / G) * H + kh * G + r % G) * D;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t c = 0; c < D / 8; ++c) store8(dst + 8 * c, load8(acc + r * D + 8 * c) * inv);
+  }
+}
+
 template <class Cache, class T = typename Cache::T>
 void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, int64_t nq, int64_t C, int64_t H,
                   int64_t K, int64_t D, int64_t kh, float* out, float* scratch) {
@@ -372,8 +401,7 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
   float* vf = kf + kKeys * D;
   float* m = vf + kKeys * D;
   float* l = m + rows;
-  int64_t reach = 0;  // keys any of these queries sees: 0..reach-1 (a final chunk's padding may sit past the cache)
-  for (int64_t t = 0; t < nq; ++t) reach = std::max<int64_t>(reach, std::min<int64_t>(pos[t], C - 1) + 1);
+  const int64_t reach = keys_reached(pos, nq, C);
   for (int64_t t = 0; t < nq; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
@@ -385,11 +413,7 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
   const int64_t step = K * D;  // between positions in the cache
   for (int64_t j0 = 0; j0 < reach; j0 += kKeys) {
     const int64_t n = std::min(kKeys, reach - j0);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t c = 0; c < d8; ++c) {
-        store8(kf + j * D + 8 * c, Cache::load(Cache::at(k, (j0 + j) * step), kh * D + 8 * c));
-        store8(vf + j * D + 8 * c, Cache::load(Cache::at(v, (j0 + j) * step), kh * D + 8 * c));
-      }
+    widen_keys<Cache>(k, v, j0, n, step, kh, D, kf, vf);
     for (int64_t t = 0; t < nq; ++t) {
       const int64_t seen = std::min<int64_t>(n, std::min<int64_t>(pos[t], C - 1) + 1 - j0);  // keys j0.. visible to t
       if (seen <= 0) continue;
@@ -424,13 +448,7 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
       }
     }
   }
-  for (int64_t t = 0; t < nq; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = t * G + g;
-      float* dst = out + (t * H + kh * G + g) * D;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // no key seen: zeros
-      for (int64_t c = 0; c < d8; ++c) store8(dst + 8 * c, load8(acc + r * D + 8 * c) * inv);
-    }
+  write_rows(acc, l, rows, G, H, kh, D, out);
 }
 
 #if defined(__AVX512F__)
@@ -532,7 +550,7 @@ inline void value_rows(float* acc, int64_t D, const float* st, int64_t rp, const
 template <class Cache, class T = typename Cache::T>
 void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* pos, int64_t nq, int64_t C, int64_t H,
                        int64_t K, int64_t D, int64_t kh, float* out, float* scratch) {
-  const int64_t G = H / K, rows = nq * G, rp = (rows + 15) / 16 * 16, d8 = D / 8;
+  const int64_t G = H / K, rows = nq * G, rp = (rows + 15) / 16 * 16;
   const float scale = 1.f / std::sqrt((float)D);
   // scratch: qt [D, rp], acc [rp, D], kf [kKeys, D], vf [kKeys, D], st [kKeys, rp], m, l, rescale,
   // last (each row's last visible position, -1: none) [rp]
@@ -545,8 +563,7 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
   float* l = m + rp;
   float* rescale = l + rp;
   float* last = rescale + rp;
-  int64_t reach = 0;
-  for (int64_t t = 0; t < nq; ++t) reach = std::max<int64_t>(reach, std::min<int64_t>(pos[t], C - 1) + 1);
+  const int64_t reach = keys_reached(pos, nq, C);
   for (int64_t r = 0; r < rp; ++r) {
     const int64_t t = r / G, g = r % G;
     const bool real = r < rows;
@@ -559,11 +576,7 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
   const int64_t rv = rp / 16;
   for (int64_t j0 = 0; j0 < reach; j0 += kKeys) {
     const int64_t n = std::min(kKeys, reach - j0);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t c = 0; c < d8; ++c) {
-        store8(kf + j * D + 8 * c, Cache::load(Cache::at(k, (j0 + j) * step), kh * D + 8 * c));
-        store8(vf + j * D + 8 * c, Cache::load(Cache::at(v, (j0 + j) * step), kh * D + 8 * c));
-      }
+    widen_keys<Cache>(k, v, j0, n, step, kh, D, kf, vf);
     for (int64_t v0 = 0; v0 < rv; v0 += 4) {
       const float* qv = qt + 16 * v0;
       float* sv = st + 16 * v0;
@@ -579,7 +592,8 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
     for (int64_t v0 = 0; v0 < rv; ++v0) {
       const v16f lastv = _mm512_loadu_ps(last + 16 * v0);
       const __mmask16 sees = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j0)), lastv, _CMP_LE_OQ);
-      v16f mx = _mm512_loadu_ps(m + 16 * v0);
+      const v16f mold = _mm512_loadu_ps(m + 16 * v0);
+      v16f mx = mold;
       for (int64_t j = 0; j < n; ++j) {
         float* s = st + j * rp + 16 * v0;
         const __mmask16 visible = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j0 + j)), lastv, _CMP_LE_OQ);
@@ -587,7 +601,6 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
         _mm512_storeu_ps(s, sj);
         mx = _mm512_max_ps(mx, sj);
       }
-      const v16f mold = _mm512_loadu_ps(m + 16 * v0);
       const v16f resc = _mm512_mask_blend_ps(sees, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(mold, mx)));
       v16f sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < n; ++j) {
@@ -607,12 +620,7 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
     for (; r0 + 2 <= rows; r0 += 2) value_rows<2>(acc, D, st, rp, rescale, vf, n, r0);
     for (; r0 < rows; ++r0) value_rows<1>(acc, D, st, rp, rescale, vf, n, r0);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = r / G, g = r % G;
-    float* dst = out + (t * H + kh * G + g) * D;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // no key seen: zeros
-    for (int64_t c = 0; c < d8; ++c) store8(dst + 8 * c, load8(acc + r * D + 8 * c) * inv);
-  }
+  write_rows(acc, l, rows, G, H, kh, D, out);
 }
 #endif
 

@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -189,6 +190,13 @@ inline int64_t live_rows(const float* x, int64_t M, int64_t K) {
     for (const float* r = x + (M - 1) * K; r < x + M * K; ++r)
       if (*r != 0.f) return M;  // NaN too
   return 0;
+}
+
+// The rows of y = x . W^T [M, N] a kernel computes: live_rows of x [M, K], y's rows after them zeroed.
+inline int64_t computed_rows(const float* x, int64_t M, int64_t K, float* y, int64_t N) {
+  const int64_t live = live_rows(x, M, K);
+  std::fill(y + live * N, y + M * N, 0.f);
+  return live;
 }
 
 }  // namespace pantheon

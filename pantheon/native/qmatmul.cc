@@ -427,8 +427,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
   // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
-  const int64_t M = live_rows(x.typed_data(), xd[0], xd[1]), N = wd[0];
-  std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
+  const int64_t N = wd[0], M = computed_rows(x.typed_data(), xd[0], xd[1], y->typed_data(), N);
   if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, x, w, y, M, qtype, int8_activations);
 #if defined(PANTHEON_FIXED_K)
   // Q4_0/Q4_1 with f32 activations: eight blocks at a time as a K-quant super-block, x in fixed
@@ -491,13 +490,6 @@ void dequant_part(const uint8_t* w, int64_t n, int64_t N, int64_t K, int64_t k0,
   }
 }
 
-// Rows [n0, n1) of w [N, row bytes] -> f32 [N, K]. A prefill chunk of many rows is compute-bound:
-// where QGemm is not built (AVX2), XLA's f32 GEMM runs on these, one matrix at a time.
-template <int64_t t>
-void dequant_rows(const uint8_t* w, float* out, int64_t K, int64_t n0, int64_t n1, bool tiled = false, int64_t N = 0) {
-  for (int64_t n = n0; n < n1; ++n) dequant_part<t>(w, n, N, K, 0, K, tiled, out + n * K);
-}
-
 // f(std::integral_constant<int64_t, t>{}) for the block type t of a Dequantize / QGemm qtype.
 template <class F>
 void by_block_type(int64_t qtype, F&& f) {
@@ -520,22 +512,22 @@ void by_block_type(int64_t qtype, F&& f) {
   }
 }
 
-// A Dequantize / QGemm qtype's shape: (tiled, block type, bytes per block, weights per block), or
-// an error where w [N, row bytes] does not hold rows of K weights of that type.
+// A Dequantize / QGemm qtype: whether its blocks are K-tiled, and its block type; false where
+// w [N, row bytes] does not hold rows of K weights of that type.
 struct BlockShape {
   bool tiled;
-  int64_t type, bytes, per;
+  int64_t type;
 };
 inline bool block_shape(int64_t qtype, int64_t K, int64_t row_bytes, BlockShape& s) {
   s.tiled = is_tiled(qtype);
   s.type = s.tiled ? qtype - kTiled : qtype;
-  const bool k = is_k(s.type);
-  s.bytes = k ? k_bytes(s.type) : block_bytes(s.type);
-  s.per = k ? 256 : 32;
-  return s.bytes != 0 && K % s.per == 0 && row_bytes == K / s.per * s.bytes;
+  const int64_t bytes = is_k(s.type) ? k_bytes(s.type) : block_bytes(s.type), per = is_k(s.type) ? 256 : 32;
+  return bytes != 0 && K % per == 0 && row_bytes == K / per * bytes;
 }
 
-// `after` is only an ordering dependency (dequantize_native): its values are not read.
+// w [N, row bytes] -> f32 [N, K]. A prefill chunk of many rows is compute-bound: where QGemm is not
+// built (AVX2), XLA's f32 GEMM runs on these, one matrix at a time. `after` is only an ordering
+// dependency (dequantize_native): its values are not read.
 ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> /*after*/,
                       ffi::ResultBuffer<ffi::F32> out, int64_t qtype) {
   const auto wd = w.dimensions(), od = out->dimensions();
@@ -547,7 +539,9 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<
   float* op = out->typed_data();
   const int64_t threads = N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   parallel_for(pool, threads, N, std::max<int64_t>(16, N / (4 * threads) + 1), [&](int64_t n0, int64_t n1) {
-    by_block_type(shape.type, [&](auto t) { dequant_rows<decltype(t)::value>(wp, op, K, n0, n1, shape.tiled, N); });
+    by_block_type(shape.type, [&](auto t) {
+      for (int64_t n = n0; n < n1; ++n) dequant_part<decltype(t)::value>(wp, n, N, K, 0, K, shape.tiled, op + n * K);
+    });
   });
   return ffi::Error::Success();
 }
@@ -648,8 +642,7 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   if (!block_shape(qtype, K, wd[1], shape)) return ffi::Error::InvalidArgument("qgemm: w does not match x");
   if (N % kGemmCols != 0) return ffi::Error::InvalidArgument("qgemm: outputs must be a multiple of 32");
   // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
-  const int64_t M = live_rows(x.typed_data(), xd[0], K);
-  std::fill(y->typed_data() + M * N, y->typed_data() + xd[0] * N, 0.f);
+  const int64_t M = computed_rows(x.typed_data(), xd[0], K, y->typed_data(), N);
   if (M == 0) return ffi::Error::Success();
   const int64_t tiles = (M + kGemmRows - 1) / kGemmRows;
   std::unique_ptr<float[]> packed(new float[tiles * K * kGemmRows + 1]);
@@ -689,14 +682,17 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
 }  // namespace
 }  // namespace pantheon
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQMatmul, pantheon::QMatmul,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("qtype")
-                                  .Attr<int64_t>("int8_activations"));
+// The products take x (f32), the blocks (u8) and the qtype, and return y (f32).
+static auto product_binding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+      .Attr<int64_t>("qtype");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQMatmul, pantheon::QMatmul, product_binding().Attr<int64_t>("int8_activations"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
                               xla::ffi::Ffi::Bind()
@@ -707,13 +703,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
                                   .Attr<int64_t>("qtype"));
 
 #if defined(__AVX512F__)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQGemm, pantheon::QGemm,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("qtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQGemm, pantheon::QGemm, product_binding());
 #endif
 
 // f32 lanes of the vectors these kernels were built with (build.vector_width): 16 with AVX-512, else 8.
