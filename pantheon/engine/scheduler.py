@@ -244,7 +244,7 @@ class Scheduler:
             seq.prefill_turn = self._steps + 1
             plan.prefill = seq
             remaining = len(seq.request.prompt_ids) - seq.prefill_at
-            plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + chunk_length(remaining, self._chunk_size(seq))]
+            plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + chunk_length(remaining, self._chunk_size(seq), self.runner.padding_free)]
         plan.work = self._work(plan)
         return plan
 

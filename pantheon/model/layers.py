@@ -80,7 +80,7 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | QPlanes | IntBlocks, scheme: s
         # rounded activations sums in another order and flips roundings downstream (a Q8_0 qwen3
         # 62-token prompt: 0.12 from llama.cpp's log-probs through the GEMM, 4e-7 here).
         if scheme == NONE and rows > kernel_rows(w):
-            if build.gemm() and w.n_out % 32 == 0:  # the native GEMM, a tile of W dequantized at a time
+            if native_gemm(w):
                 return qgemm(x, w)
             dense = dequantize_native(w, after=x).T  # [in, out], as f32 weights are held
             return jnp.einsum("...i,io->...o", x, dense, preferred_element_type=jnp.float32)
@@ -96,6 +96,15 @@ def linear(x: jax.Array, w: jax.Array | QMatrix | QPlanes | IntBlocks, scheme: s
         return int_linear(x, w)
     x = quantize_activations(x, scheme)
     return jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def native_gemm(w) -> bool:
+    """Whether long exact chunks multiply w through the native GEMM, a tile of its blocks dequantized
+    at a time (AVX-512 builds). Like the row-tile kernels of short chunks, it leaves x's trailing
+    rows of zeros (a chunk's padding, llama.block) out of the arithmetic (native/common.h:
+    live_rows); dequantized f32 weights under XLA's GEMM (the AVX2 build) and a GPU's kernels
+    compute every row."""
+    return isinstance(w, QMatrix) and build.gemm() and w.n_out % 32 == 0
 
 
 # ---- routed experts (qwen35moe's non-Q3_K experts, qwen3moe, llama with experts) ------------------------

@@ -259,6 +259,43 @@ def test_a_prompt_goes_in_chunks_that_waste_few_padded_rows():
             assert cost[0] <= cost[1], (n, limit, got)
 
 
+def test_where_padding_is_free_a_remainder_goes_in_one_chunk():
+    """Where the native kernels leave padded rows out of every product (runner.padding_is_free), a
+    prompt goes in chunks of the limit and its remainder in one; no split to spare padding."""
+    from pantheon.engine.runner import CHUNK_BUCKETS, chunk_length
+
+    def chunks(n, limit=CHUNK_BUCKETS[-1]):
+        out = []
+        while n - sum(out):
+            out.append(chunk_length(n - sum(out), limit, padding_free=True))
+        return out
+
+    assert chunks(138) == [138] and chunks(650) == [512, 138] and chunks(400) == [400]
+    assert chunks(1500) == [512, 512, 476] and chunks(300, 128) == [128, 128, 44]
+
+
+def test_padding_is_free_only_where_every_layer_matrix_skips_zero_rows(engine, monkeypatch):
+    """A dense model whose layer matrices all take the native kernels at every row count (the GEMM
+    of AVX-512 builds) pays nothing for padded rows; not on builds whose long chunks multiply f32
+    weights, nor with f32 matrices, routed experts or sliding-window layers (jnp's attention)."""
+    import dataclasses
+
+    from pantheon.engine.runner import padding_is_free
+    from pantheon.native import build
+
+    spec, params = engine.runner.spec, engine.runner.params
+    assert engine.runner.padding_free == build.gemm() == padding_is_free(spec, params)
+    monkeypatch.setattr(build, "gemm", lambda: True)
+    assert padding_is_free(spec, params)
+    assert not padding_is_free(dataclasses.replace(spec, n_expert=4, n_expert_used=2), params)
+    assert not padding_is_free(dataclasses.replace(spec, swa_layers=(True,) * spec.n_layer, swa_window=8), params)
+    layers = [dict(layer) for layer in params["layers"]]
+    layers[1]["wo"] = np.zeros((layers[1]["wo"].n_out, layers[1]["wo"].n_in), np.float32)  # an f32 matrix
+    assert not padding_is_free(spec, {**params, "layers": layers})
+    monkeypatch.setattr(build, "gemm", lambda: False)
+    assert not padding_is_free(spec, params)
+
+
 def test_an_idle_device_thread_hands_freed_pages_back_once(engine, monkeypatch):
     """When the last request is done, the device thread hands the allocator's free pages back to
     the OS (a long chunk's dequantized matrices are freed but kept by tcmalloc otherwise), once
