@@ -14,7 +14,9 @@
 // batch-mates: batching never changes a greedy result. The work is split by output columns over
 // the cores (common.h: parallel_for).
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <utility>
 
 #include "common.h"
 #include "kquants.h"
@@ -584,22 +586,31 @@ inline void transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
   }
 }
 
-// c[14][32] (+)= xp[k][14] . panel[k][32] over k < depth.
-inline void gemm_tile(const float* xp, const float* panel, int64_t depth, float* c, int64_t ldc, bool first) {
-  __m512 a[kGemmRows][2];
-  for (int r = 0; r < kGemmRows; ++r)
+// c[R][32] (+)= xp[k][:R] . panel[k][32] over k < depth: R of a tile's 14 rows (a tail tile
+// computes its live rows only).
+template <int R>
+void gemm_tile(const float* xp, const float* panel, int64_t depth, float* c, int64_t ldc, bool first) {
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) a[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * h);
   for (int64_t k = 0; k < depth; ++k) {
     const __m512 w0 = _mm512_loadu_ps(panel + k * kGemmCols), w1 = _mm512_loadu_ps(panel + k * kGemmCols + 16);
-    for (int r = 0; r < kGemmRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(xp[k * kGemmRows + r]);
       a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
       a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
     }
   }
-  for (int r = 0; r < kGemmRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(c + r * ldc + 16 * h, a[r][h]);
 }
+
+using GemmTile = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
+template <size_t... R>
+constexpr std::array<GemmTile, sizeof...(R)> gemm_tiles(std::index_sequence<R...>) {
+  return {{&gemm_tile<int(R) + 1>...}};
+}
+constexpr auto kGemmTiles = gemm_tiles(std::make_index_sequence<kGemmRows>());  // [r - 1]: a tile of r rows
 
 // Output columns [n0, n1) (multiples of kGemmCols) of y [M, N], the sums over k in [ka, kb) added
 // to those before ka; xp: x packed tile-major, [tiles][K][14]; tails: per column panel, the last
@@ -609,6 +620,7 @@ void gemm_columns(const float* xp, const uint8_t* w, bool tiled, float* y, float
                   int64_t K, int64_t ka, int64_t kb, int64_t n0, int64_t n1) {
   alignas(64) float rows[kGemmCols * kGemmDepth], panel[kGemmDepth * kGemmCols];
   const int64_t tiles = (M + kGemmRows - 1) / kGemmRows, full = M / kGemmRows;
+  const GemmTile tail_tile = kGemmTiles[(M - 1) % kGemmRows];  // the last tile's rows (all 14 when full)
   for (int64_t nb = n0; nb < n1; nb += kGemmCols) {
     float* tail = tails + nb / kGemmCols * kGemmRows * kGemmCols;
     for (int64_t k0 = ka; k0 < kb; k0 += kGemmDepth) {
@@ -618,8 +630,8 @@ void gemm_columns(const float* xp, const uint8_t* w, bool tiled, float* y, float
         for (int64_t k = 0; k < depth; k += 16) transpose16(rows + c * depth + k, depth, panel + k * kGemmCols + c, kGemmCols);
       for (int64_t i = 0; i < tiles; ++i) {
         const float* xt = xp + (i * K + k0) * kGemmRows;
-        if (i < full) gemm_tile(xt, panel, depth, y + i * kGemmRows * N + nb, N, k0 == 0);
-        else gemm_tile(xt, panel, depth, tail, kGemmCols, k0 == 0);
+        if (i < full) gemm_tile<kGemmRows>(xt, panel, depth, y + i * kGemmRows * N + nb, N, k0 == 0);
+        else tail_tile(xt, panel, depth, tail, kGemmCols, k0 == 0);
       }
     }
     if (kb == K)
