@@ -80,17 +80,18 @@ def attend(q, k_cache, v_cache, positions, slots, kv_len: int, kernels: Kernels,
     T == 1 (decode): dispatch.attention_decode reads each row's slot in place, up to its position
     (the reference gathers the first kv_len positions). Otherwise dispatch.attention_prefill on the
     first kv_len positions of the rows' slots. window > 0 (a sliding-window layer): the decode
-    kernels (native and Pallas), which take the window, or the jnp path, whose masks take it (the
-    flash prefill kernel does not, yet: `windowed` gives it the reference mode); ring: the caches
-    are a sliding layer's rings (state.ring_len) and kv_len the model's context."""
+    kernels (native and Pallas) and the native prefill kernel, which take the window, or the jnp
+    path, whose masks take it (the flash prefill kernel does not, yet: `windowed` gives it the
+    reference mode); ring: the caches are a sliding layer's rings (state.ring_len) and kv_len the
+    model's context."""
     modes = dict(kernels)
     if (window or ring) and q.shape[1] == 1 and modes[ATTENTION_DECODE] != "reference":  # the kernels take both
         out = dispatch.attention_decode(_query(q[:, 0], k_cache), k_cache, v_cache, slots, positions[:, 0] + 1,
                                         mode=modes[ATTENTION_DECODE], window=window, ring=ring)
         return out[:, None].astype(q.dtype)
-    if not (window or ring) and q.shape[1] > 1 and modes[ATTENTION_PREFILL] == "native":
+    if q.shape[1] > 1 and modes[ATTENTION_PREFILL] == "native":
         # the native CPU kernel reads each row's slot in place up to each query's position
-        return dispatch.cached_attention_prefill(q, k_cache, v_cache, slots, positions)
+        return dispatch.cached_attention_prefill(q, k_cache, v_cache, slots, positions, window, ring)
     if window or modes[attention_kernel(q.shape[1])] == "reference":
         # The jnp path reads each row's slot in key blocks up to its position (the reference's
         # math, blocked): no kv_len gather, cost follows the positions attended.
@@ -119,9 +120,11 @@ def for_numerics(kernels: Kernels, mode: str) -> Kernels:
 
 
 def windowed(kernels: Kernels) -> Kernels:
-    """A sliding-window layer's kernels: prefill attention on the reference (jnp) path; the decode
-    kernels take a window and a ring."""
-    return tuple((name, "reference" if name == ATTENTION_PREFILL else mode) for name, mode in kernels)
+    """A sliding-window layer's kernels: the decode kernels and the native prefill kernel take a
+    window and a ring; a GPU's flash prefill kernel does not, so there prefill takes the reference
+    (jnp) path."""
+    return tuple((name, "reference" if name == ATTENTION_PREFILL and mode != "native" else mode)
+                 for name, mode in kernels)
 
 
 def attention_modes(t: int, head_dim: int, cache_shape: tuple[int, ...]) -> dict[str, bool]:

@@ -351,7 +351,8 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 // ---- prefill: many queries a row, causal, read in place ------------------------------------------
 //
 // Row b's queries t (absolute positions pos[b, t]; < 0: no key, zeros) attend to keys 0..pos[b, t]
-// of slot slots[b]. A task is (row, block of kQueries consecutive queries, kv head): its G query
+// of slot slots[b]; with a window (a sliding layer), to keys pos[b, t] - window + 1..pos[b, t]
+// only, and with a ring (its cache a ring of C positions, state.ring_len) key p sits at p % C. A task is (row, block of kQueries consecutive queries, kv head): its G query
 // heads x kQueries queries run over the keys up to the block's last position in blocks of kKeys
 // (by absolute position), each block's keys and values widened to f32 once for all of them, with
 // an online softmax per query (f32: the max, a rescale by e^(m_old - m_new) and the sums). A
@@ -360,23 +361,43 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 // the keys past its own.
 constexpr int64_t kQueries = 16, kKeys = 64;
 
-// Keys any of a task's nq queries sees: 0..reach-1 (a final chunk's padding may sit past the cache).
-inline int64_t keys_reached(const int32_t* pos, int64_t nq, int64_t C) {
-  int64_t reach = 0;
-  for (int64_t t = 0; t < nq; ++t) reach = std::max<int64_t>(reach, std::min<int64_t>(pos[t], C - 1) + 1);
-  return reach;
+// The keys a query at position p sees: first..last (none when last < 0). Without a ring a final
+// chunk's padding may sit past the cache (its query sees the cache); a ring holds positions mod C.
+struct KeySpan {
+  int64_t first, last;
+};
+inline KeySpan key_span(int64_t p, int64_t C, int64_t window, bool ring) {
+  const int64_t last = ring ? p : std::min<int64_t>(p, C - 1);
+  return {window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, last};
+}
+
+// Keys any of a task's nq queries sees: from the key block holding the earliest first (blocks stay
+// fixed by absolute position) to reach - 1.
+inline void keys_reached(const int32_t* pos, int64_t nq, int64_t C, int64_t window, bool ring, int64_t& start,
+                         int64_t& reach) {
+  int64_t first = INT64_MAX;
+  reach = 0;
+  for (int64_t t = 0; t < nq; ++t) {
+    const KeySpan span = key_span(pos[t], C, window, ring);
+    if (span.last < span.first) continue;
+    first = std::min(first, span.first);
+    reach = std::max(reach, span.last + 1);
+  }
+  start = reach > 0 ? first / kKeys * kKeys : 0;
 }
 
 // Positions j0 .. j0 + n of kv head kh (position j at k, v + j * step) widened to f32 once for
 // every query of a task: kf, vf [n, D].
 template <class Cache, class T = typename Cache::T>
-inline void widen_keys(const T* k, const T* v, int64_t j0, int64_t n, int64_t step, int64_t kh, int64_t D, float* kf,
-                       float* vf) {
-  for (int64_t j = 0; j < n; ++j)
+inline void widen_keys(const T* k, const T* v, int64_t j0, int64_t n, int64_t step, int64_t ring, int64_t kh,
+                       int64_t D, float* kf, float* vf) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = (ring ? (j0 + j) % ring : j0 + j) * step;  // ring: its length, else 0
     for (int64_t c = 0; c < D / 8; ++c) {
-      store8(kf + j * D + 8 * c, Cache::load(Cache::at(k, (j0 + j) * step), kh * D + 8 * c));
-      store8(vf + j * D + 8 * c, Cache::load(Cache::at(v, (j0 + j) * step), kh * D + 8 * c));
+      store8(kf + j * D + 8 * c, Cache::load(Cache::at(k, at), kh * D + 8 * c));
+      store8(vf + j * D + 8 * c, Cache::load(Cache::at(v, at), kh * D + 8 * c));
     }
+  }
 }
 
 // A task's rows (r = t * G + g: query t, head kh * G + g) out: acc[r] / l[r], zeros where no key was seen.
@@ -391,7 +412,7 @@ inline void write_rows(const float* acc, const float* l, int64_t rows, int64_t G
 
 template <class Cache, class T = typename Cache::T>
 void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, int64_t nq, int64_t C, int64_t H,
-                  int64_t K, int64_t D, int64_t kh, float* out, float* scratch) {
+                  int64_t K, int64_t D, int64_t kh, int64_t window, bool ring, float* out, float* scratch) {
   const int64_t G = H / K, d8 = D / 8, rows = nq * G;
   const float scale = 1.f / std::sqrt((float)D);
   // scratch: qs [rows, D], acc [rows, D], kf [kKeys, D], vf [kKeys, D], m [rows], l [rows]
@@ -401,7 +422,8 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
   float* vf = kf + kKeys * D;
   float* m = vf + kKeys * D;
   float* l = m + rows;
-  const int64_t reach = keys_reached(pos, nq, C);
+  int64_t start, reach;
+  keys_reached(pos, nq, C, window, ring, start, reach);
   for (int64_t t = 0; t < nq; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
@@ -411,12 +433,14 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
       m[r] = -INFINITY, l[r] = 0.f;
     }
   const int64_t step = K * D;  // between positions in the cache
-  for (int64_t j0 = 0; j0 < reach; j0 += kKeys) {
+  for (int64_t j0 = start; j0 < reach; j0 += kKeys) {
     const int64_t n = std::min(kKeys, reach - j0);
-    widen_keys<Cache>(k, v, j0, n, step, kh, D, kf, vf);
+    widen_keys<Cache>(k, v, j0, n, step, ring ? C : 0, kh, D, kf, vf);
     for (int64_t t = 0; t < nq; ++t) {
-      const int64_t seen = std::min<int64_t>(n, std::min<int64_t>(pos[t], C - 1) + 1 - j0);  // keys j0.. visible to t
-      if (seen <= 0) continue;
+      const KeySpan span = key_span(pos[t], C, window, ring);
+      const int64_t seen = std::min<int64_t>(n, span.last + 1 - j0);  // keys j0 .. j0 + seen - 1: up to t's
+      const int64_t skip = std::max<int64_t>(0, span.first - j0);      // the first `skip`: before t's window
+      if (seen <= skip) continue;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = t * G + g;
         const float* qr = qs + r * D;
@@ -426,6 +450,7 @@ void prefill_task(const float* q, const T* k, const T* v, const int32_t* pos, in
           for (int i = 0; i < 8; ++i) rows[i] = kf + std::min<int64_t>(j + i, seen - 1) * D;
           v8f sc = eight_scores<F32Cache>(qr, rows, 0, d8);
           for (int64_t i = seen - j; i < 8; ++i) sc[i] = -INFINITY;
+          for (int64_t i = 0; i < std::min<int64_t>(8, skip - j); ++i) sc[i] = -INFINITY;
           store8(s + j, sc);
         }
         const int64_t seen8 = (seen + 7) / 8 * 8;
@@ -549,11 +574,11 @@ inline void value_rows(float* acc, int64_t D, const float* st, int64_t rp, const
 // with rows that see no key.
 template <class Cache, class T = typename Cache::T>
 void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* pos, int64_t nq, int64_t C, int64_t H,
-                       int64_t K, int64_t D, int64_t kh, float* out, float* scratch) {
+                       int64_t K, int64_t D, int64_t kh, int64_t window, bool ring, float* out, float* scratch) {
   const int64_t G = H / K, rows = nq * G, rp = (rows + 15) / 16 * 16;
   const float scale = 1.f / std::sqrt((float)D);
   // scratch: qt [D, rp], acc [rp, D], kf [kKeys, D], vf [kKeys, D], st [kKeys, rp], m, l, rescale,
-  // last (each row's last visible position, -1: none) [rp]
+  // last, first (each row's last and first visible position; last -1: none) [rp]
   float* qt = scratch;
   float* acc = qt + D * rp;
   float* kf = acc + rp * D;
@@ -563,20 +588,24 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
   float* l = m + rp;
   float* rescale = l + rp;
   float* last = rescale + rp;
-  const int64_t reach = keys_reached(pos, nq, C);
+  float* first = last + rp;
+  int64_t start, reach;
+  keys_reached(pos, nq, C, window, ring, start, reach);
   for (int64_t r = 0; r < rp; ++r) {
     const int64_t t = r / G, g = r % G;
     const bool real = r < rows;
     for (int64_t d = 0; d < D; ++d) qt[d * rp + r] = real ? q[(t * H + kh * G + g) * D + d] * scale : 0.f;
     std::memset(acc + r * D, 0, sizeof(float) * D);
     m[r] = -INFINITY, l[r] = 0.f;
-    last[r] = real ? static_cast<float>(std::min<int64_t>(pos[t], C - 1)) : -1.f;
+    const KeySpan span = key_span(real ? pos[t] : -1, C, window, ring);
+    last[r] = real ? static_cast<float>(span.last) : -1.f;
+    first[r] = static_cast<float>(span.first);
   }
   const int64_t step = K * D;
   const int64_t rv = rp / 16;
-  for (int64_t j0 = 0; j0 < reach; j0 += kKeys) {
+  for (int64_t j0 = start; j0 < reach; j0 += kKeys) {
     const int64_t n = std::min(kKeys, reach - j0);
-    widen_keys<Cache>(k, v, j0, n, step, kh, D, kf, vf);
+    widen_keys<Cache>(k, v, j0, n, step, ring ? C : 0, kh, D, kf, vf);
     for (int64_t v0 = 0; v0 < rv; v0 += 4) {
       const float* qv = qt + 16 * v0;
       float* sv = st + 16 * v0;
@@ -587,16 +616,19 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
         default: score_keys<1>(qv, rp, kf, D, n, sv); break;
       }
     }
-    // Per lane (row): keys past its position score -inf; its max, e^(s - max) in place, their sum
-    // in key order. A row that sees none of these keys keeps m, l and acc (rescale 1, p 0).
+    // Per lane (row): keys past its position or before its window score -inf; its max, e^(s - max)
+    // in place, their sum in key order. A row that sees none of these keys keeps m, l and acc
+    // (rescale 1, p 0).
     for (int64_t v0 = 0; v0 < rv; ++v0) {
-      const v16f lastv = _mm512_loadu_ps(last + 16 * v0);
-      const __mmask16 sees = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j0)), lastv, _CMP_LE_OQ);
+      const v16f lastv = _mm512_loadu_ps(last + 16 * v0), firstv = _mm512_loadu_ps(first + 16 * v0);
+      const __mmask16 sees = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j0)), lastv, _CMP_LE_OQ) &
+                             _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j0 + n - 1)), firstv, _CMP_GE_OQ);
       const v16f mold = _mm512_loadu_ps(m + 16 * v0);
       v16f mx = mold;
       for (int64_t j = 0; j < n; ++j) {
         float* s = st + j * rp + 16 * v0;
-        const __mmask16 visible = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j0 + j)), lastv, _CMP_LE_OQ);
+        const v16f key = _mm512_set1_ps(static_cast<float>(j0 + j));
+        const __mmask16 visible = _mm512_cmp_ps_mask(key, lastv, _CMP_LE_OQ) & _mm512_cmp_ps_mask(key, firstv, _CMP_GE_OQ);
         const v16f sj = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
         _mm512_storeu_ps(s, sj);
         mx = _mm512_max_ps(mx, sj);
@@ -627,13 +659,15 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
 template <class Cache>
 ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k_cache,
                          ffi::AnyBuffer& v_cache, ffi::Buffer<ffi::S32>& slots, ffi::Buffer<ffi::S32>& positions,
-                         ffi::ResultBuffer<ffi::F32>& out) {
+                         ffi::ResultBuffer<ffi::F32>& out, int64_t window, bool ring) {
   using T = typename Cache::T;
   const auto qd = q.dimensions(), cd = k_cache.dimensions();
   if (qd.size() != 4 || cd.size() != 4) return ffi::Error::InvalidArgument("attention_prefill: q [B,T,H,D], caches [N,C,K,D]");
   const int64_t B = qd[0], Tq = qd[1], H = qd[2], D = qd[3], N = cd[0], C = cd[1], K = cd[2];
   if (!head_fits<Cache>(cd[3], D) || K == 0 || H % K != 0)
     return ffi::Error::InvalidArgument("attention_prefill: head dims do not match (D % 8 == 0, q8_0: D % 32 == 0; H % K == 0)");
+  if (window < 0 || (ring && (window == 0 || window + Tq > C)))
+    return ffi::Error::InvalidArgument("attention_prefill: a ring must hold the window and the chunk");
   const int32_t* sp = slots.typed_data();
   const int32_t* pp = positions.typed_data();
   for (int64_t b = 0; b < B; ++b)
@@ -649,7 +683,7 @@ ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::A
   const bool wide = false;
 #endif
   const int64_t rp = (kQueries * G + 15) / 16 * 16;
-  const int64_t scratch = wide ? 2 * rp * D + 2 * kKeys * D + kKeys * rp + 4 * rp
+  const int64_t scratch = wide ? 2 * rp * D + 2 * kKeys * D + kKeys * rp + 5 * rp
                                : (2 * kQueries * G + 2 * kKeys) * D + 2 * kQueries * G;
   parallel_for(pool, tasks > 1 ? pool_threads(pool) : 1, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buffer(scratch);
@@ -661,11 +695,13 @@ ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::A
       float* of = op + (b * Tq + first) * H * D;
 #if defined(__AVX512F__)
       if (wide) {
-        prefill_task_wide<Cache>(qf, Cache::at(kp, base), Cache::at(vp, base), pp + b * Tq + first, nq, C, H, K, D, kh, of, buffer.data());
+        prefill_task_wide<Cache>(qf, Cache::at(kp, base), Cache::at(vp, base), pp + b * Tq + first, nq, C, H, K, D, kh, window, ring, of,
+                                 buffer.data());
         continue;
       }
 #endif
-      prefill_task<Cache>(qf, Cache::at(kp, base), Cache::at(vp, base), pp + b * Tq + first, nq, C, H, K, D, kh, of, buffer.data());
+      prefill_task<Cache>(qf, Cache::at(kp, base), Cache::at(vp, base), pp + b * Tq + first, nq, C, H, K, D, kh, window, ring, of,
+                                 buffer.data());
     }
   });
   return ffi::Error::Success();
@@ -673,9 +709,9 @@ ffi::Error AttendPrefill(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::A
 
 ffi::Error AttentionPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                             ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
-                            ffi::ResultBuffer<ffi::F32> out) {
+                            ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t ring) {
   return by_cache_type("attention_prefill", k_cache, v_cache, [&](auto cache) {
-    return AttendPrefill<decltype(cache)>(pool, q, k_cache, v_cache, slots, positions, out);
+    return AttendPrefill<decltype(cache)>(pool, q, k_cache, v_cache, slots, positions, out, window, ring != 0);
   });
 }
 
@@ -698,4 +734,5 @@ static auto attention_binding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionDecode, pantheon::AttentionDecode,
                               attention_binding().Attr<int64_t>("window").Attr<int64_t>("ring"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionPrefill, pantheon::AttentionPrefill, attention_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonAttentionPrefill, pantheon::AttentionPrefill,
+                              attention_binding().Attr<int64_t>("window").Attr<int64_t>("ring"));

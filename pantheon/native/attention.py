@@ -30,12 +30,14 @@ PREFILL_TARGET = "pantheon_attention_prefill"
 
 
 def attention_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slots: jax.Array,
-                      q_pos: jax.Array) -> jax.Array:
+                      q_pos: jax.Array, window: int = 0, ring: bool = False) -> jax.Array:
     """Causal attention of a prefill chunk read in place from the slot cache: q [B, T, H, D]; caches
     [N_slots, C, K, D] (see above), already holding the chunk's keys
     and values; slots int32 [B]; q_pos int32 [B, T] absolute positions: query t of row b attends to
     keys 0..q_pos[b, t] of slot slots[b] (none, for q_pos < 0: zeros). Returns [B, T, H, D] in q's
-    dtype. The reference is cached_attention_blocked without a window."""
+    dtype. window > 0: only keys q_pos - window + 1.. (a sliding layer); ring: the caches are rings,
+    position p at p % C, holding the window and the chunk. The reference is cached_attention_blocked."""
     call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_cache, v_cache, slots.astype(jnp.int32), q_pos.astype(jnp.int32))
+    out = call(q.astype(jnp.float32), k_cache, v_cache, slots.astype(jnp.int32), q_pos.astype(jnp.int32),
+               window=np.int64(window), ring=np.int64(ring))
     return out.astype(q.dtype)

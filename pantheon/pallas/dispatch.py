@@ -169,14 +169,14 @@ def attention_prefill(q, k, v, q_pos, backend: str | None = None, *, mode: str |
     return attention.flash_attention(q, k, v, q_pos, interpret=interpret_flag(mode))
 
 
-def cached_attention_prefill(q, k_cache, v_cache, slots, q_pos):
+def cached_attention_prefill(q, k_cache, v_cache, slots, q_pos, window: int = 0, ring: bool = False):
     """The native CPU prefill attention (`attention_prefill` in mode "native"): a chunk's queries q
     [B, T, H, D] at absolute positions q_pos [B, T] against their slots' caches [N_slots, C, K, D],
     read in place (pantheon.native.attention.attention_prefill; its reference is
-    attention.cached_attention_blocked)."""
+    attention.cached_attention_blocked); window, ring: a sliding layer's, as there."""
     from pantheon.native.attention import attention_prefill as native_prefill
 
-    return native_prefill(q, k_cache, v_cache, slots, q_pos)
+    return native_prefill(q, k_cache, v_cache, slots, q_pos, window, ring)
 
 
 def attention_decode(q, k_cache, v_cache, slots, lengths, backend: str | None = None, *,

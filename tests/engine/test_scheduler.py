@@ -277,7 +277,7 @@ def test_where_padding_is_free_a_remainder_goes_in_one_chunk():
 def test_padding_is_free_only_where_every_layer_matrix_skips_zero_rows(engine, monkeypatch):
     """A dense model whose layer matrices all take the native kernels at every row count (the GEMM
     of AVX-512 builds) pays nothing for padded rows; not on builds whose long chunks multiply f32
-    weights, nor with f32 matrices, routed experts or sliding-window layers (jnp's attention)."""
+    weights, nor with f32 matrices or routed experts."""
     import dataclasses
 
     from pantheon.engine.runner import padding_is_free
@@ -288,7 +288,7 @@ def test_padding_is_free_only_where_every_layer_matrix_skips_zero_rows(engine, m
     monkeypatch.setattr(build, "gemm", lambda: True)
     assert padding_is_free(spec, params)
     assert not padding_is_free(dataclasses.replace(spec, n_expert=4, n_expert_used=2), params)
-    assert not padding_is_free(dataclasses.replace(spec, swa_layers=(True,) * spec.n_layer, swa_window=8), params)
+    assert padding_is_free(dataclasses.replace(spec, swa_layers=(True,) * spec.n_layer, swa_window=8), params)
     layers = [dict(layer) for layer in params["layers"]]
     layers[1]["wo"] = np.zeros((layers[1]["wo"].n_out, layers[1]["wo"].n_in), np.float32)  # an f32 matrix
     assert not padding_is_free(spec, {**params, "layers": layers})

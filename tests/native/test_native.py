@@ -595,6 +595,45 @@ def test_prefill_attention_matches_the_blocked_reference(cache_dtype):
     np.testing.assert_array_equal(out[0, 2], out[0, 1])  # positions 8, 9 see the cache's 8 keys, as 7
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
+def test_windowed_prefill_attention_matches_the_blocked_reference(cache_dtype):
+    """A sliding layer's prefill on the native kernel: each query sees its last `window` keys, in a
+    cache of whole length or a ring (position p at p % R, R a multiple of the blocks holding the
+    window and the chunk), against cached_attention_blocked with the same window; a row's result is
+    its own (alone, or split over chunks, bit for bit); a ring too short for its window and chunk
+    is refused."""
+    from pantheon.native.attention import attention_prefill
+
+    rng = np.random.default_rng()
+    # (rows, chunk, heads, kv heads, D, slots, cache or ring length, chunk start, window, ring, context)
+    for b, t, h, k, d, n_slots, c, start, window, ring, length in (
+            (2, 40, 4, 1, 256, 3, 300, 200, 50, False, 0), (1, 37, 9, 3, 64, 2, 200, 0, 16, False, 0),
+            (2, 60, 4, 2, 64, 2, 512, 900, 100, True, 2048), (1, 70, 6, 2, 40, 2, 256, 300, 130, True, 1024)):
+        if cache_dtype == "q8_0" and d % 32:
+            continue
+        q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+        kc, kf = as_cache(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
+        vc, vf = as_cache(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
+        slots = jnp.asarray(rng.permutation(n_slots)[:b], jnp.int32)
+        pos = jnp.asarray(np.tile(start + np.arange(t), (b, 1)).astype(np.int32))
+        native = jax.jit(attention_prefill, static_argnames=("window", "ring"))
+        got = np.asarray(native(q, kc, vc, slots, pos, window=window, ring=ring))
+        ref = np.asarray(jax.jit(cached_attention_blocked, static_argnames=("window", "ring", "length"))(
+            q, kf, vf, slots, pos, window=window, ring=ring, length=length))
+        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
+        alone = np.asarray(native(q[:1], kc, vc, slots[:1], pos[:1], window=window, ring=ring))
+        np.testing.assert_array_equal(alone[0], got[0])
+        split = t // 3
+        parts = [np.asarray(native(q[:1, a:e], kc, vc, slots[:1], pos[:1, a:e], window=window, ring=ring))
+                 for a, e in ((0, split), (split, t))]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=1)[0], got[0])
+    q = jnp.zeros((1, 40, 2, 16))
+    kc = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(Exception, match="ring must hold"):
+        jax.block_until_ready(attention_prefill(q, kc, kc, jnp.zeros(1, jnp.int32),
+                                                jnp.arange(40, dtype=jnp.int32)[None], window=32, ring=True))
+
+
 def test_prefill_attention_refuses_out_of_range_slots():
     from pantheon.native.attention import attention_prefill
 
