@@ -198,9 +198,10 @@ def forward(params, cache: KVCache, inputs: StepInputs, *, spec: ModelSpec, nume
     kernels = kern.for_numerics(block_kernels(spec, cache, tokens.shape[1]), numerics.mode)
     static = dict(spec=spec, numerics=numerics, kv_len=kern.program_kv_len(kernels, kv_len, cache.ctx), kernels=kernels)
     plain = dict(spec=spec, numerics=numerics)
-    # A sliding-window layer (gemma3) is its own executable: its rope base, its window, jnp attention.
+    # A sliding-window layer (gemma3) is its own executable: its rope base, its window (the native
+    # kernels and the jnp path take it; a GPU's flash prefill kernel does not: kernels.windowed).
     windowed = dict(static, swa=True)
-    if spec.swa_layers and cache.ctx > spec.swa_window:  # the window masks: the jnp attention path
+    if spec.swa_layers and cache.ctx > spec.swa_window:
         wk = kern.windowed(kernels)
         windowed.update(kernels=wk, kv_len=kern.program_kv_len(wk, kv_len, cache.ctx))
     for i, w in enumerate(params["layers"]):
