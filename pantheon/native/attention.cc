@@ -352,7 +352,8 @@ ffi::Error AttentionDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 //
 // Row b's queries t (absolute positions pos[b, t]; < 0: no key, zeros) attend to keys 0..pos[b, t]
 // of slot slots[b]; with a window (a sliding layer), to keys pos[b, t] - window + 1..pos[b, t]
-// only, and with a ring (its cache a ring of C positions, state.ring_len) key p sits at p % C. A task is (row, block of kQueries consecutive queries, kv head): its G query
+// only, and with a ring (its cache a ring of C positions, state.ring_len) key p sits at p % C.
+// A task is (row, block of kQueries consecutive queries, kv head): its G query
 // heads x kQueries queries run over the keys up to the block's last position in blocks of kKeys
 // (by absolute position), each block's keys and values widened to f32 once for all of them, with
 // an online softmax per query (f32: the max, a rescale by e^(m_old - m_new) and the sums). A

@@ -325,6 +325,16 @@ def as_cache(values, cache_dtype):
 CACHE_TYPES = [jnp.float32, jnp.float16, jnp.bfloat16, "q8_0"]
 
 
+def prefill_case(rng, b, t, h, k, d, n_slots, c, start, cache_dtype):
+    """A prefill attention case: queries q [b, t, h, d], random caches of n_slots x c positions (as
+    the type, and as f32), b distinct slots, and positions start.. (np.int32 [b, t])."""
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    kc, kf = as_cache(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
+    vc, vf = as_cache(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
+    slots = jnp.asarray(rng.permutation(n_slots)[:b], jnp.int32)
+    return q, kc, kf, vc, vf, slots, np.tile(start + np.arange(t), (b, 1)).astype(np.int32)
+
+
 @pytest.mark.parametrize("cache_dtype", CACHE_TYPES)
 def test_attention_decode_matches_the_blocked_reference(cache_dtype):
     """Every cache type the kernel reads (--kv-dtype): the reference reads the same cache widened."""
@@ -568,11 +578,7 @@ def test_prefill_attention_matches_the_blocked_reference(cache_dtype):
                                              (1, 16, 12, 2, 96, 2, 100, 60), (1, 23, 4, 1, 256, 2, 90, 50)):
         if cache_dtype == "q8_0" and d % 32:
             continue
-        q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
-        kc, kf = as_cache(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
-        vc, vf = as_cache(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
-        slots = jnp.asarray(rng.permutation(n_slots)[:b], jnp.int32)
-        pos = np.tile(start + np.arange(t), (b, 1)).astype(np.int32)
+        q, kc, kf, vc, vf, slots, pos = prefill_case(rng, b, t, h, k, d, n_slots, c, start, cache_dtype)
         if b > 1:
             pos[1] = -1  # a row that sees no key: zeros
         pos = jnp.asarray(pos)
@@ -611,11 +617,8 @@ def test_windowed_prefill_attention_matches_the_blocked_reference(cache_dtype):
             (2, 60, 4, 2, 64, 2, 512, 900, 100, True, 2048), (1, 70, 6, 2, 40, 2, 256, 300, 130, True, 1024)):
         if cache_dtype == "q8_0" and d % 32:
             continue
-        q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
-        kc, kf = as_cache(rng.standard_normal((n_slots, c, k, d)) * 2, cache_dtype)
-        vc, vf = as_cache(rng.standard_normal((n_slots, c, k, d)), cache_dtype)
-        slots = jnp.asarray(rng.permutation(n_slots)[:b], jnp.int32)
-        pos = jnp.asarray(np.tile(start + np.arange(t), (b, 1)).astype(np.int32))
+        q, kc, kf, vc, vf, slots, pos = prefill_case(rng, b, t, h, k, d, n_slots, c, start, cache_dtype)
+        pos = jnp.asarray(pos)
         native = jax.jit(attention_prefill, static_argnames=("window", "ring"))
         got = np.asarray(native(q, kc, vc, slots, pos, window=window, ring=ring))
         ref = np.asarray(jax.jit(cached_attention_blocked, static_argnames=("window", "ring", "length"))(
