@@ -35,7 +35,8 @@ from jax.profiler import TraceAnnotation
 
 from pantheon.engine.events import Admitted, ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError, failure_message
 from pantheon.engine.memory import release_free_memory
-from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork, chunk_length
+from pantheon.engine.chunks import chunk_length
+from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
 from pantheon.text.pipeline import ChoiceText

@@ -598,9 +598,8 @@ void prefill_task_wide(const float* q, const T* k, const T* v, const int32_t* po
     for (int64_t d = 0; d < D; ++d) qt[d * rp + r] = real ? q[(t * H + kh * G + g) * D + d] * scale : 0.f;
     std::memset(acc + r * D, 0, sizeof(float) * D);
     m[r] = -INFINITY, l[r] = 0.f;
-    const KeySpan span = key_span(real ? pos[t] : -1, C, window, ring);
-    last[r] = real ? static_cast<float>(span.last) : -1.f;
-    first[r] = static_cast<float>(span.first);
+    const KeySpan span = key_span(real ? pos[t] : -1, C, window, ring);  // a padding row's: none
+    last[r] = static_cast<float>(span.last), first[r] = static_cast<float>(span.first);
   }
   const int64_t step = K * D;
   const int64_t rv = rp / 16;

@@ -235,11 +235,11 @@ def test_the_ladders_window_bounds_a_running_sequence(engine, pressure, monkeypa
 
 
 def test_a_prompt_goes_in_chunks_that_waste_few_padded_rows():
-    """A chunk is padded to its bucket (runner.CHUNK_BUCKETS) and a padded row costs a real row's
+    """A chunk is padded to its bucket (chunks.CHUNK_BUCKETS) and a padded row costs a real row's
     work: a prompt's chunks cover it exactly, none past the limit, and their rows (each extra chunk
     counted as CHUNK_SPLIT_ROWS) never exceed those of chunks of the limit with the remainder in
     one; a remainder far from its bucket goes in more chunks."""
-    from pantheon.engine.runner import CHUNK_BUCKETS, CHUNK_SPLIT_ROWS, bucket_for, chunk_length
+    from pantheon.engine.chunks import CHUNK_BUCKETS, CHUNK_SPLIT_ROWS, bucket_for, chunk_length
 
     def chunks(n, limit=CHUNK_BUCKETS[-1]):
         out = []
@@ -260,9 +260,9 @@ def test_a_prompt_goes_in_chunks_that_waste_few_padded_rows():
 
 
 def test_where_padding_is_free_a_remainder_goes_in_one_chunk():
-    """Where the native kernels leave padded rows out of every product (runner.padding_is_free), a
+    """Where the native kernels leave padded rows out of every product (chunks.padding_is_free), a
     prompt goes in chunks of the limit and its remainder in one; no split to spare padding."""
-    from pantheon.engine.runner import CHUNK_BUCKETS, chunk_length
+    from pantheon.engine.chunks import CHUNK_BUCKETS, chunk_length
 
     def chunks(n, limit=CHUNK_BUCKETS[-1]):
         out = []
@@ -280,7 +280,7 @@ def test_padding_is_free_only_where_every_layer_matrix_skips_zero_rows(engine, m
     weights, nor with f32 matrices or routed experts."""
     import dataclasses
 
-    from pantheon.engine.runner import padding_is_free
+    from pantheon.engine.chunks import padding_is_free
     from pantheon.native import build
 
     spec, params = engine.runner.spec, engine.runner.params

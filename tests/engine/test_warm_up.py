@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pantheon.engine.runner import CHUNK_BUCKETS, DecodeWork, ModelRunner
+from pantheon.engine.chunks import CHUNK_BUCKETS
+from pantheon.engine.runner import DecodeWork, ModelRunner
 from pantheon.engine.sampler import SamplingParams
 from pantheon.gguf import open_gguf
 from pantheon.model.family import family_of
