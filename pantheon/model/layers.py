@@ -13,7 +13,7 @@ from pantheon.gguf.arithmetic import NONE, Q8_0, Q8_K, IntBlocks, int_linear, qu
 from pantheon.model.rope_scaling import RopeScaling
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
 from pantheon.native import build
-from pantheon.native.qmatmul import QMatrix, dequantize_native, kernel_rows, qgemm, qmatmul
+from pantheon.native.qmatmul import QMatrix, dequantize_native, grouped_qmatmul, kernel_rows, qgemm, qmatmul
 from pantheon.pallas import dispatch
 from pantheon.pallas.qmatmul import QPlanes
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
@@ -147,12 +147,27 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * rows, side="right")
     owner = jnp.minimum(owner, n_expert - 1)
 
-    def block(args):
-        xb, e = args  # [rows, E], expert id
-        return swiglu(xb, expert(w_gate, e), expert(w_up, e), expert(w_down, e), schemes)
+    if all(isinstance(m, QMatrix) for m in (w_gate, w_up, w_down)):  # the kernel reads each block's expert in place
+        gate, up = (_expert_product(packed, m, owner, s) for m, s in ((w_gate, schemes[0]), (w_up, schemes[1])))
+        y = _expert_product(silu(gate) * up, w_down, owner, schemes[2])
+    else:
+        def block(args):
+            xb, e = args  # [rows, E], expert id
+            return swiglu(xb, expert(w_gate, e), expert(w_up, e), expert(w_down, e), schemes)
 
-    y = jax.lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
+        y = jax.lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
     return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)
+
+
+def _expert_product(x, w: QMatrix, owner, scheme: str) -> jax.Array:
+    """x's blocks of rows times their experts' matrices of the stacked w, read in place
+    (grouped_qmatmul), x rounded per `scheme` and each block taking the kernel `linear` gives a
+    product of its rows: the GEMM past kernel_rows in exact numerics where it is built."""
+    one = QMatrix(jax.ShapeDtypeStruct(w.blocks.shape[1:], w.blocks.dtype), w.qtype, w.n_in)  # an expert's shape
+    if scheme == NONE:
+        return grouped_qmatmul(x, w, owner, gemm_rows=kernel_rows(one) + 1 if native_gemm(one) else 0)
+    int8 = scheme in (Q8_0, Q8_K)
+    return grouped_qmatmul(x if int8 else quantize_activations(x, scheme), w, owner, int8_activations=int8)
 
 
 def _grouped_planes(x, experts, w_gate, w_up, w_down, schemes):

@@ -37,7 +37,8 @@ HERE = Path(__file__).parent
 SOURCES = ("qmatmul.cc", "attention.cc")
 HEADERS = ("common.h", "kquants.h")
 # FFI target name -> exported handler symbol
-TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_dequantize": "PantheonDequantize",
+TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_qmatmul_grouped": "PantheonQMatmulGrouped",
+           "pantheon_dequantize": "PantheonDequantize",
            "pantheon_attention_decode": "PantheonAttentionDecode",
            "pantheon_attention_prefill": "PantheonAttentionPrefill"}
 # ... and those an AVX-512 build adds: the GEMM of long exact prefill chunks (qmatmul.qgemm)

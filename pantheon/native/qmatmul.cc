@@ -15,6 +15,8 @@
 // the cores (common.h: parallel_for).
 #include <algorithm>
 #include <array>
+#include <string>
+#include <vector>
 #include <cmath>
 #include <utility>
 
@@ -371,20 +373,18 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
   }
 }
 
+// The products below take x [M, K] (M: the rows computed), W's blocks [N, row_bytes] and y [M, N]
+// as pointers: a matrix of its own (the FFI calls) or one routed expert's rows in place (grouped).
+
 // K-quant super-blocks (kquants.h): f32 activations, or 8-bit ones rounded to Q8_K.
-ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
-                   ffi::ResultBuffer<ffi::F32>& y, int64_t M, int64_t qtype, int64_t int8_activations) {
+ffi::Error KMatmul(ffi::ThreadPool& pool, const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t N,
+                   int64_t K, int64_t row_bytes, int64_t qtype, int64_t int8_activations, bool alone = false) {
   const bool tiled = is_tiled(qtype);  // read only by the fixed-point kernel (exact numerics)
   if (tiled) qtype -= kTiled;
   if (tiled && (int8_activations || !fixed_k(qtype)))
     return ffi::Error::InvalidArgument("qmatmul: K-tiled blocks are read with f32 activations by the AVX-512 VNNI kernel only");
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  const int64_t K = xd[1], N = wd[0];
-  if (K % 256 != 0 || wd[1] != K / 256 * k_bytes(qtype)) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
-  const float* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data();
-  float* yp = y->typed_data();
-  const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
+  if (K % 256 != 0 || row_bytes != K / 256 * k_bytes(qtype)) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
+  const int64_t threads = !alone && M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
   if (int8_activations) {
     const int64_t blocks = std::max<int64_t>(M * (K / 256), 1);
@@ -424,29 +424,23 @@ ffi::Error KMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                   ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t int8_activations) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
-  // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
-  const int64_t N = wd[0], M = computed_rows(x.typed_data(), xd[0], xd[1], y->typed_data(), N);
-  if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, x, w, y, M, qtype, int8_activations);
+// Any type the kernels read: the row kernels.
+ffi::Error Product(ffi::ThreadPool& pool, const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t N,
+                   int64_t K, int64_t row_bytes, int64_t qtype, int64_t int8_activations, bool alone = false) {
+  if (is_k(qtype) || is_tiled(qtype)) return KMatmul(pool, xp, wp, yp, M, N, K, row_bytes, qtype, int8_activations, alone);
 #if defined(PANTHEON_FIXED_K)
   // Q4_0/Q4_1 with f32 activations: eight blocks at a time as a K-quant super-block, x in fixed
   // point (kquants.h: fixed_group); rows of other lengths take the f32 kernel below
-  if ((qtype == kQ4_0 || qtype == kQ4_1) && !int8_activations && xd[1] % 256 == 0)
-    return KMatmul(pool, x, w, y, M, qtype == kQ4_0 ? kG4_0 : kG4_1, 0);
+  if ((qtype == kQ4_0 || qtype == kQ4_1) && !int8_activations && K % 256 == 0)
+    return KMatmul(pool, xp, wp, yp, M, N, K, row_bytes, qtype == kQ4_0 ? kG4_0 : kG4_1, 0, alone);
 #endif
-  const int64_t K = xd[1], bb = block_bytes(qtype);
+  const int64_t bb = block_bytes(qtype);
   if (bb == 0) return ffi::Error::InvalidArgument("qmatmul: unsupported quant type");
-  if (K % 32 != 0 || wd[1] != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
+  if (K % 32 != 0 || row_bytes != K / 32 * bb) return ffi::Error::InvalidArgument("qmatmul: w does not match x");
   if (int8_activations && half(qtype)) return ffi::Error::InvalidArgument("qmatmul: F16/BF16 take f32 activations");
-  const float* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data();
-  float* yp = y->typed_data();
   const int64_t nb = K / 32, blocks = M * nb > 0 ? M * nb : 1;
   // Waking a pool thread costs more than a small product gains from it.
-  const int64_t threads = M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
+  const int64_t threads = !alone && M * N * K >= (int64_t{1} << 18) ? pool_threads(pool) : 1;
   const int64_t chunk = std::max<int64_t>(16, (N + 4 * threads - 1) / (4 * threads));
   if (int8_activations) {
     std::unique_ptr<int8_t[]> q(new int8_t[blocks * 32]);
@@ -465,6 +459,15 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const float* xs = xsum.get();
   parallel_for(pool, threads, N, chunk, [&](int64_t n0, int64_t n1) { columns(qtype, xp, xs, wp, yp, M, N, K, n0, n1); });
   return ffi::Error::Success();
+}
+
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                   ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t int8_activations) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
+  // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
+  const int64_t N = wd[0], M = computed_rows(x.typed_data(), xd[0], xd[1], y->typed_data(), N);
+  return Product(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, N, xd[1], wd[1], qtype, int8_activations);
 }
 
 // ---- dequantization for long prefill chunks ------------------------------------------------
@@ -645,21 +648,15 @@ void gemm_columns(const float* xp, const uint8_t* w, bool tiled, float* y, float
 // memory 64 times took a 2048 x 8192 product from 35 to 47 ms).
 constexpr int64_t kGemmSpanBytes = int64_t{2} << 20;
 
-ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
-                 int64_t qtype) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qgemm: x and w must be 2-D");
-  const int64_t K = xd[1], N = wd[0];
+ffi::Error Gemm(ffi::ThreadPool& pool, const float* xs, const uint8_t* wp, float* yp, int64_t M, int64_t N, int64_t K,
+                int64_t row_bytes, int64_t qtype, bool alone = false) {
   BlockShape shape;
-  if (!block_shape(qtype, K, wd[1], shape)) return ffi::Error::InvalidArgument("qgemm: w does not match x");
+  if (!block_shape(qtype, K, row_bytes, shape)) return ffi::Error::InvalidArgument("qgemm: w does not match x");
   if (N % kGemmCols != 0) return ffi::Error::InvalidArgument("qgemm: outputs must be a multiple of 32");
-  // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
-  const int64_t M = computed_rows(x.typed_data(), xd[0], K, y->typed_data(), N);
   if (M == 0) return ffi::Error::Success();
   const int64_t tiles = (M + kGemmRows - 1) / kGemmRows;
   std::unique_ptr<float[]> packed(new float[tiles * K * kGemmRows + 1]);
-  const float* xs = x.typed_data();
-  const int64_t threads = pool_threads(pool);
+  const int64_t threads = alone ? 1 : pool_threads(pool);
   parallel_for(pool, tiles > 1 ? threads : 1, tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // tile i: [K][14] (written in order), rows past M zero
       const int64_t live = std::min(kGemmRows, M - i * kGemmRows);
@@ -672,8 +669,6 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
       }
     }
   }, false);
-  const uint8_t* wp = w.typed_data();
-  float* yp = y->typed_data();
   const int64_t panels = N / kGemmCols;
   const int64_t chunk = std::max<int64_t>(1, panels / (4 * threads));
   std::unique_ptr<float[]> tails(new float[panels * kGemmRows * kGemmCols]);
@@ -689,7 +684,69 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   }
   return ffi::Error::Success();
 }
+
+ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
+                 int64_t qtype) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qgemm: x and w must be 2-D");
+  // x's trailing rows of zeros (a prefill chunk's padding) are zeros in y, not computed
+  const int64_t M = computed_rows(x.typed_data(), xd[0], xd[1], y->typed_data(), wd[0]);
+  return Gemm(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, wd[0], xd[1], wd[1], qtype);
+}
 #endif
+
+// Routed experts read in place: x [R, K] holds len(owner) blocks of R / len(owner) rows, block b
+// multiplied by expert owner[b]'s matrix of the stacked experts w [X, N, row bytes] (its rows
+// where the file holds them: no copy of an expert is made); y [R, N]. A block's trailing rows of
+// zeros (its padding) are zeros in y, not computed. Blocks of gemm_rows rows or more (0: none) take
+// the GEMM (AVX-512 builds), others the row kernels: what a product of that many rows takes alone.
+ffi::Error QMatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::S32> owner, ffi::ResultBuffer<ffi::F32> y, int64_t qtype,
+                          int64_t int8_activations, int64_t gemm_rows) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = owner.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 1)
+    return ffi::Error::InvalidArgument("qmatmul_grouped: x must be 2-D, w 3-D (experts, outputs, row bytes), owner 1-D");
+  const int64_t R = xd[0], K = xd[1], X = wd[0], N = wd[1], B = wd[2], blocks = od[0];
+  if (blocks == 0 || R % blocks != 0) return ffi::Error::InvalidArgument("qmatmul_grouped: x's rows are not whole blocks");
+  const int64_t rows = R / blocks;
+  const int32_t* ids = owner.typed_data();
+  const auto xb = [&](int64_t b) { return x.typed_data() + b * rows * K; };
+  const auto yb = [&](int64_t b) { return y->typed_data() + b * rows * N; };
+  const auto wb = [&](int64_t b) { return w.typed_data() + ids[b] * N * B; };
+  std::vector<int64_t> live(blocks), rest;  // rows computed a block; the blocks with any
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (ids[b] < 0 || ids[b] >= X) return ffi::Error::InvalidArgument("qmatmul_grouped: an expert id out of range");
+    live[b] = computed_rows(xb(b), rows, K, yb(b), N);
+  }
+  for (int64_t b = 0; b < blocks; ++b)
+    if (live[b] > 0) rest.push_back(b);
+  const auto product = [&](int64_t b, bool alone) {
+#if defined(__AVX512F__)
+    if (gemm_rows > 0 && live[b] >= gemm_rows && !int8_activations)
+      return Gemm(pool, xb(b), wb(b), yb(b), live[b], N, K, B, qtype, alone);
+#endif
+    return Product(pool, xb(b), wb(b), yb(b), live[b], N, K, B, qtype, int8_activations, alone);
+  };
+  const int64_t n = static_cast<int64_t>(rest.size()), threads = pool_threads(pool);
+  if (n < threads) {  // too few to spread: each over every core
+    for (int64_t b : rest)
+      if (auto e = product(b, false); e.failure()) return e;
+    return ffi::Error::Success();
+  }
+  // the blocks spread over the cores, each product on one: one loop a call, not one a block
+  std::mutex failed;
+  std::string first;
+  parallel_for(pool, threads, n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      auto e = product(rest[i], true);
+      if (e.failure()) {
+        std::lock_guard<std::mutex> hold(failed);
+        if (first.empty()) first = std::string(e.message());
+      }
+    }
+  });
+  return first.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(first);
+}
 
 }  // namespace
 }  // namespace pantheon
@@ -705,6 +762,17 @@ static auto product_binding() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQMatmul, pantheon::QMatmul, product_binding().Attr<int64_t>("int8_activations"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQMatmulGrouped, pantheon::QMatmulGrouped,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<int64_t>("int8_activations")
+                                  .Attr<int64_t>("gemm_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonDequantize, pantheon::Dequantize,
                               xla::ffi::Ffi::Bind()

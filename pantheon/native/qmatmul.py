@@ -229,6 +229,31 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
                 int8_activations=np.int64(int8_activations)).reshape(*lead, w.n_out)
 
 
+def grouped_qmatmul(x: jax.Array, w: QMatrix, owner: jax.Array, int8_activations: bool = False,
+                    gemm_rows: int = 0) -> jax.Array:
+    """Routed experts read in place: x [R, n_in] f32 in len(owner) blocks of R / len(owner) rows;
+    w the stacked experts' blocks [X, n_out, row bytes]; block b times expert owner[b]'s matrix
+    (qmatmul.cc: QMatmulGrouped, no expert copied out). Returns [R, n_out]. A block's trailing rows
+    of zeros are zeros, not computed; blocks of >= gemm_rows rows (0: none; exact numerics, AVX-512
+    builds) take the GEMM, the others the row kernels, as `qmatmul`/`qgemm` would alone."""
+    if w.blocks.ndim != 3 or base_type(w.qtype) != w.qtype:
+        raise ValueError("grouped_qmatmul takes stacked experts' blocks [X, n_out, row bytes], untiled")
+    if w.qtype not in BLOCK_BYTES and w.qtype not in K_TYPES:
+        raise ValueError(f"grouped_qmatmul: no kernel reads type {w.qtype}")
+    n_out = w.blocks.shape[1]
+    call = jax.ffi.ffi_call("pantheon_qmatmul_grouped", jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32))
+    return call(x.astype(jnp.float32), w.blocks, owner.astype(jnp.int32), qtype=np.int64(w.qtype),
+                int8_activations=np.int64(int8_activations), gemm_rows=np.int64(0 if int8_activations else gemm_rows))
+
+
+def grouped_qmatmul_reference(x: jax.Array, w: QMatrix, owner: jax.Array, int8_activations: bool = False) -> jax.Array:
+    """grouped_qmatmul in plain jnp: each block through qmatmul_reference against its expert."""
+    blocks = owner.shape[0]
+    xb = x.reshape(blocks, -1, x.shape[-1])
+    one = lambda xi, e: qmatmul_reference(xi, QMatrix(w.blocks[e], w.qtype, w.n_in), int8_activations)  # noqa: E731
+    return jnp.concatenate([one(xb[b], owner[b]) for b in range(blocks)], axis=0)
+
+
 def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
     """The product in plain jnp: dequantize the weights (pantheon.gguf.quants), einsum; with
     int8_activations, llama.cpp's integer arithmetic over the blocks' integer parts

@@ -265,3 +265,36 @@ def test_routed_experts_stay_in_their_blocks(tmp_path):
     f32_experts = sum(4 * int(np.prod(g.tensor_info(n).shape)) for n in g.tensors if "_exps" in n)
     # the estimate holds the experts at their blocks' size, not f32's
     assert estimate_device_bytes(str(path), 64, 1) < f32_experts + expert_bytes
+
+
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_routed_experts_are_read_in_place(tmp_path, mode):
+    """Each role of a layer's routed experts is one call of the grouped kernel over the chosen
+    experts' rows where the file holds them (qmatmul.grouped_qmatmul): no expert is copied out, no
+    per-block loop; every token's result is, bit for bit, its own row through each of its experts
+    alone (layers.swiglu on layers.expert)."""
+    import jax
+    import jax.numpy as jnp
+    from functools import partial
+    from pantheon.model.layers import expert, grouped_experts, swiglu
+
+    path = write_tiny_llama(tmp_path / "moe.gguf", arch="qwen3moe", weight_type=Q.Q4_K, qk_norm=True, head_dim=64,
+                            n_expert=4, n_expert_used=2, n_ff_exp=256, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+    g = open_gguf(path)
+    spec = spec_from_gguf(g)
+    numerics = numerics_for(g, spec, mode)
+    layer = load_params(g, spec, numerics=numerics)["layers"][0]
+    roles = (layer["exp_gate"], layer["exp_up"], layer["exp_down"])
+    schemes = tuple(numerics.scheme(key) for key in ("w_gate", "w_up", "w_down"))  # as llama.py asks
+    assert schemes == ((NONE,) * 3 if mode == "exact" else (Q8_K,) * 3)
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((5, 256)).astype(np.float32))
+    experts = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(5)]).astype(np.int32))
+    fn = jax.jit(partial(grouped_experts, schemes=schemes))
+    hlo = fn.lower(x, experts, *roles).as_text()
+    assert hlo.count("custom_call @pantheon_qmatmul_grouped(") == 3 and "custom_call @pantheon_qmatmul(" not in hlo
+    got = np.asarray(fn(x, experts, *roles))
+    for i in range(5):
+        for j, e in enumerate(np.asarray(experts[i])):
+            alone = swiglu(x[i:i + 1], *(expert(w, int(e)) for w in roles), schemes)
+            np.testing.assert_array_equal(got[i, j], np.asarray(alone)[0], err_msg=f"token {i}, expert {e}")

@@ -16,7 +16,7 @@ from pantheon.gguf.quants import dequantize_np, quantize_np
 from pantheon.native import build
 from pantheon.native.attention import attention_decode
 from pantheon.native.qmatmul import U4_1, QMatrix, dequantize_blocks, embed_rows, qmatmul, qmatmul_reference, unpack_nibbles
-from pantheon.native.qmatmul import TILED, dequantize_native, tile_k, untile_blocks
+from pantheon.native.qmatmul import TILED, dequantize_native, grouped_qmatmul, grouped_qmatmul_reference, tile_k, untile_blocks
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import attention_reference, cached_attention_blocked
 
@@ -509,6 +509,53 @@ def test_the_prefill_gemm_is_the_dequantized_product_row_by_row(qtype):
             np.testing.assert_array_equal(np.asarray(jax.jit(qgemm)(x[a:e], w)), got[a:e])
         if qtype in K_QTYPES and qtype != Q.IQ4_XS and n_in >= 4096:
             np.testing.assert_array_equal(np.asarray(jax.jit(qgemm)(x, tile_k(w))), got)
+
+
+def stacked_experts(rng, n_expert: int, n_out: int, n_in: int, qtype) -> tuple[QMatrix, list[QMatrix]]:
+    """Routed experts as the models load them (one QMatrix [X, out, row bytes]) and each one alone."""
+    alone = [random_matrix(rng, n_out, n_in, qtype)[0] for _ in range(n_expert)]
+    return QMatrix(jnp.stack([w.blocks for w in alone]), int(qtype), n_in), alone
+
+
+@pytest.mark.parametrize("qtype,int8_activations", [(t, i) for t in QTYPES + K_QTYPES for i in (False, True)] +
+                         [(t, False) for t in HALF], ids=lambda v: getattr(v, "name", {False: "f32", True: "int8"}.get(v)))
+def test_grouped_experts_are_each_blocks_own_product(qtype, int8_activations):
+    """Routed experts read in place (qmatmul.grouped_qmatmul): block b of x times expert owner[b]'s
+    rows of the stacked blocks is, bit for bit, the kernel's product of those rows with that expert
+    alone — spread over the cores (8 blocks) or each over all of them (1 block) — and within f32
+    accuracy of the jnp reference; a block's trailing zero rows (its padding) and an unused block are
+    zeros; exact blocks of gemm_rows rows or more take the GEMM where it is built, as qgemm."""
+    rng = np.random.default_rng()
+    n_in = 512
+    w, alone = stacked_experts(rng, 5, 64, n_in, qtype)
+    for owner, rows in (([3, 0, 3, 4, 1, 2, 0, 4], 4), ([2], 6)):
+        x = rng.standard_normal((len(owner) * rows, n_in)).astype(np.float32)
+        x[rows - 1] = x[2 * rows - 2:2 * rows] = 0.0  # padding: block 0's last row, block 1's last two
+        if len(owner) > 2:
+            x[3 * rows:4 * rows] = 0.0  # an unused block
+        x, ids = jnp.asarray(x), jnp.asarray(owner, jnp.int32)
+        for gemm_rows in ((0, 3) if build.gemm() and not int8_activations else (0,)):
+            got = np.asarray(jax.jit(partial(grouped_qmatmul, int8_activations=int8_activations, gemm_rows=gemm_rows))(x, w, ids))
+            for b, e in enumerate(owner):
+                xb = x[b * rows:(b + 1) * rows]
+                live = int(np.flatnonzero(np.asarray(xb).any(axis=1)).max(initial=-1)) + 1
+                want = np.zeros((rows, 64), np.float32)
+                if live:
+                    from pantheon.native.qmatmul import qgemm
+                    one = (qgemm(xb[:live], alone[e]) if gemm_rows and live >= gemm_rows
+                           else qmatmul(xb[:live], alone[e], int8_activations=int8_activations))
+                    want[:live] = np.asarray(one)
+                np.testing.assert_array_equal(got[b * rows:(b + 1) * rows], want, err_msg=f"block {b}, gemm_rows {gemm_rows}")
+        ref = np.asarray(jax.jit(partial(grouped_qmatmul_reference, int8_activations=int8_activations))(x, w, ids))
+        assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max() * np.sqrt(n_in / 32)
+
+
+def test_grouped_experts_refuse_an_expert_id_out_of_range():
+    rng = np.random.default_rng(0)
+    w, _ = stacked_experts(rng, 3, 32, 256, Q.Q4_K)
+    x = jnp.asarray(rng.standard_normal((4, 256)).astype(np.float32))
+    with pytest.raises(Exception, match="expert id out of range"):
+        np.asarray(grouped_qmatmul(x, w, jnp.asarray([0, 3], jnp.int32)))
 
 
 def test_a_prefill_chunk_holds_no_layer_of_f32_weights(monkeypatch):
