@@ -13,7 +13,7 @@ from pantheon.gguf.arithmetic import NONE, Q8_0, Q8_K, IntBlocks, int_linear, qu
 from pantheon.model.rope_scaling import RopeScaling
 from pantheon.model.spec import ROPE_NEOX, ROPE_NORM
 from pantheon.native import build
-from pantheon.native.qmatmul import QMatrix, dequantize_native, grouped_qmatmul, kernel_rows, qgemm, qmatmul
+from pantheon.native.qmatmul import QMatrix, dequantize_native, expert_qmatmul, kernel_rows, qgemm, qmatmul
 from pantheon.pallas import dispatch
 from pantheon.pallas.qmatmul import QPlanes
 # Causal GQA attention: q [B, T, H, D], keys/values [B, S, K, D], q_pos [B, T] -> [B, T, H, D]. One
@@ -126,13 +126,18 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     """Every token through each of its chosen experts. x: [N, E]; experts: [N, k] ids;
     w_gate/w_up: [X, E, F]; w_down: [X, F, E] (or QMatrix blocks [X, out, row bytes]). Returns [N, k, E].
 
-    The N*k assignments are sorted by expert and packed into blocks of `rows` rows, each block
-    owned by one expert, so a block is a dense matmul against one expert's weights and only chosen
-    experts are read (decode: rows = 1, one weight read per assignment)."""
+    Experts held as the file's blocks (QMatrix) are read in place by the native kernel, one call a
+    role over every chosen expert (expert_qmatmul: each expert's rows one product). Otherwise the
+    N*k assignments are sorted by expert and packed into blocks of `rows` rows, each block owned by
+    one expert, so a block is a dense matmul against one expert's weights and only chosen experts
+    are read (decode: rows = 1, one weight read per assignment)."""
     n, k = experts.shape
     if any(isinstance(m, QPlanes) for m in (w_gate, w_up, w_down)):
         return _grouped_planes(x, experts, w_gate, w_up, w_down, schemes)
-    n_expert, a = (w_gate.blocks if isinstance(w_gate, QMatrix) else w_gate).shape[0], n * k
+    if all(isinstance(m, QMatrix) for m in (w_gate, w_up, w_down)):
+        gate, up = (_expert_product(x, experts, m, s) for m, s in ((w_gate, schemes[0]), (w_up, schemes[1])))
+        return _expert_product(silu(gate) * up, experts, w_down, schemes[2]).reshape(n, k, -1)
+    n_expert, a = w_gate.shape[0], n * k
     rows = _rows_per_block(a, n_expert)
     n_blocks = (a + min(a, n_expert) * (rows - 1)) // rows  # static bound: each used expert adds < 1 block
 
@@ -147,27 +152,24 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     owner = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * rows, side="right")
     owner = jnp.minimum(owner, n_expert - 1)
 
-    if all(isinstance(m, QMatrix) for m in (w_gate, w_up, w_down)):  # the kernel reads each block's expert in place
-        gate, up = (_expert_product(packed, m, owner, s) for m, s in ((w_gate, schemes[0]), (w_up, schemes[1])))
-        y = _expert_product(silu(gate) * up, w_down, owner, schemes[2])
-    else:
-        def block(args):
-            xb, e = args  # [rows, E], expert id
-            return swiglu(xb, expert(w_gate, e), expert(w_up, e), expert(w_down, e), schemes)
+    def block(args):
+        xb, e = args  # [rows, E], expert id
+        return swiglu(xb, expert(w_gate, e), expert(w_up, e), expert(w_down, e), schemes)
 
-        y = jax.lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
+    y = jax.lax.map(block, (packed.reshape(n_blocks, rows, -1), owner)).reshape(n_blocks * rows, -1)
     return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)
 
 
-def _expert_product(x, w: QMatrix, owner, scheme: str) -> jax.Array:
-    """x's blocks of rows times their experts' matrices of the stacked w, read in place
-    (grouped_qmatmul), x rounded per `scheme` and each block taking the kernel `linear` gives a
-    product of its rows: the GEMM past kernel_rows in exact numerics where it is built."""
+def _expert_product(x, experts, w: QMatrix, scheme: str) -> jax.Array:
+    """x's rows (a token's, or an assignment's) times their experts' matrices of the stacked w,
+    read in place (expert_qmatmul), x rounded per `scheme` and each expert's rows taking the kernel
+    `linear` gives a product of that many rows: the GEMM past kernel_rows in exact numerics where
+    it is built."""
     one = QMatrix(jax.ShapeDtypeStruct(w.blocks.shape[1:], w.blocks.dtype), w.qtype, w.n_in)  # an expert's shape
     if scheme == NONE:
-        return grouped_qmatmul(x, w, owner, gemm_rows=kernel_rows(one) + 1 if native_gemm(one) else 0)
+        return expert_qmatmul(x, experts, w, gemm_rows=kernel_rows(one) + 1 if native_gemm(one) else 0)
     int8 = scheme in (Q8_0, Q8_K)
-    return grouped_qmatmul(x if int8 else quantize_activations(x, scheme), w, owner, int8_activations=int8)
+    return expert_qmatmul(x if int8 else quantize_activations(x, scheme), experts, w, int8_activations=int8)
 
 
 def _grouped_planes(x, experts, w_gate, w_up, w_down, schemes):

@@ -37,7 +37,7 @@ HERE = Path(__file__).parent
 SOURCES = ("qmatmul.cc", "attention.cc")
 HEADERS = ("common.h", "kquants.h")
 # FFI target name -> exported handler symbol
-TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_qmatmul_grouped": "PantheonQMatmulGrouped",
+TARGETS = {"pantheon_qmatmul": "PantheonQMatmul", "pantheon_expert_matmul": "PantheonExpertMatmul",
            "pantheon_dequantize": "PantheonDequantize",
            "pantheon_attention_decode": "PantheonAttentionDecode",
            "pantheon_attention_prefill": "PantheonAttentionPrefill"}

@@ -695,55 +695,75 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
 }
 #endif
 
-// Routed experts read in place: x [R, K] holds len(owner) blocks of R / len(owner) rows, block b
-// multiplied by expert owner[b]'s matrix of the stacked experts w [X, N, row bytes] (its rows
-// where the file holds them: no copy of an expert is made); y [R, N]. A block's trailing rows of
-// zeros (its padding) are zeros in y, not computed. Blocks of gemm_rows rows or more (0: none) take
-// the GEMM (AVX-512 builds), others the row kernels: what a product of that many rows takes alone.
-ffi::Error QMatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                          ffi::Buffer<ffi::S32> owner, ffi::ResultBuffer<ffi::F32> y, int64_t qtype,
-                          int64_t int8_activations, int64_t gemm_rows) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), od = owner.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || od.size() != 1)
-    return ffi::Error::InvalidArgument("qmatmul_grouped: x must be 2-D, w 3-D (experts, outputs, row bytes), owner 1-D");
-  const int64_t R = xd[0], K = xd[1], X = wd[0], N = wd[1], B = wd[2], blocks = od[0];
-  if (blocks == 0 || R % blocks != 0) return ffi::Error::InvalidArgument("qmatmul_grouped: x's rows are not whole blocks");
-  const int64_t rows = R / blocks;
-  const int32_t* ids = owner.typed_data();
-  const auto xb = [&](int64_t b) { return x.typed_data() + b * rows * K; };
-  const auto yb = [&](int64_t b) { return y->typed_data() + b * rows * N; };
-  const auto wb = [&](int64_t b) { return w.typed_data() + ids[b] * N * B; };
-  std::vector<int64_t> live(blocks), rest;  // rows computed a block; the blocks with any
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (ids[b] < 0 || ids[b] >= X) return ffi::Error::InvalidArgument("qmatmul_grouped: an expert id out of range");
-    live[b] = computed_rows(xb(b), rows, K, yb(b), N);
+// Routed experts read in place: row a of y [N k, Nout] is assignment a = n k + j (token n's j-th
+// choice of expert, experts [N, k]) times that expert's matrix of the stacked experts w [X, Nout,
+// row bytes], read where the file holds it (no expert is copied out). x holds a row per token
+// ([N, K]: the gate and up products) or per assignment ([N k, K]: the down product). Each used
+// expert's rows are gathered (assignment order) into one product, the kernel a product of that
+// many rows takes alone: the GEMM from gemm_rows rows (0: never; exact numerics, AVX-512 builds),
+// else the row kernels; its trailing rows of zeros (a prefill chunk's padding, routed last) are
+// zeros, not computed. With an expert for each core the experts spread over the cores, each
+// product on one: one loop a call, not one an expert.
+ffi::Error ExpertMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> experts,
+                        ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y, int64_t qtype,
+                        int64_t int8_activations, int64_t gemm_rows) {
+  const auto xd = x.dimensions(), ed = experts.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || ed.size() != 2 || wd.size() != 3)
+    return ffi::Error::InvalidArgument("expert_matmul: x and experts must be 2-D, w 3-D (experts, outputs, row bytes)");
+  const int64_t T = ed[0], k = ed[1], A = T * k, R = xd[0], K = xd[1], X = wd[0], N = wd[1], B = wd[2];
+  if (R != T && R != A) return ffi::Error::InvalidArgument("expert_matmul: x needs a row per token or per assignment");
+  const bool per_token = R == T;  // (k == 1: the same rows either way)
+  const int32_t* ids = experts.typed_data();
+  std::vector<int64_t> count(X + 1, 0), start(X + 1, 0), order(A);
+  for (int64_t a = 0; a < A; ++a) {
+    if (ids[a] < 0 || ids[a] >= X) return ffi::Error::InvalidArgument("expert_matmul: an expert id out of range");
+    ++count[ids[a]];
   }
-  for (int64_t b = 0; b < blocks; ++b)
-    if (live[b] > 0) rest.push_back(b);
-  const auto product = [&](int64_t b, bool alone) {
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < X; ++e) {
+    start[e + 1] = start[e] + count[e];
+    if (count[e]) used.push_back(e);
+  }
+  {
+    std::vector<int64_t> at(start.begin(), start.end() - 1);
+    for (int64_t a = 0; a < A; ++a) order[at[ids[a]]++] = a;  // by expert, in assignment order
+  }
+  std::unique_ptr<float[]> xs(new float[A * K + 1]), ys(new float[A * N + 1]);
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const auto product = [&](int64_t e, bool alone) -> ffi::Error {
+    const int64_t rows = count[e], s = start[e];
+    float* xe = xs.get() + s * K;
+    float* ye = ys.get() + s * N;
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(xe + i * K, xp + (per_token ? order[s + i] / k : order[s + i]) * K, K * sizeof(float));
+    const int64_t M = computed_rows(xe, rows, K, ye, N);
+    const uint8_t* we = w.typed_data() + e * N * B;
+    if (M > 0) {
 #if defined(__AVX512F__)
-    if (gemm_rows > 0 && live[b] >= gemm_rows && !int8_activations)
-      return Gemm(pool, xb(b), wb(b), yb(b), live[b], N, K, B, qtype, alone);
+      if (gemm_rows > 0 && M >= gemm_rows && !int8_activations) {
+        if (auto r = Gemm(pool, xe, we, ye, M, N, K, B, qtype, alone); r.failure()) return r;
+      } else
 #endif
-    return Product(pool, xb(b), wb(b), yb(b), live[b], N, K, B, qtype, int8_activations, alone);
+      if (auto r = Product(pool, xe, we, ye, M, N, K, B, qtype, int8_activations, alone); r.failure()) return r;
+    }
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(yp + order[s + i] * N, ye + i * N, N * sizeof(float));
+    return ffi::Error::Success();
   };
-  const int64_t n = static_cast<int64_t>(rest.size()), threads = pool_threads(pool);
+  const int64_t n = static_cast<int64_t>(used.size()), threads = pool_threads(pool);
   if (n < threads) {  // too few to spread: each over every core
-    for (int64_t b : rest)
-      if (auto e = product(b, false); e.failure()) return e;
+    for (int64_t e : used)
+      if (auto r = product(e, false); r.failure()) return r;
     return ffi::Error::Success();
   }
-  // the blocks spread over the cores, each product on one: one loop a call, not one a block
   std::mutex failed;
   std::string first;
   parallel_for(pool, threads, n, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      auto e = product(rest[i], true);
-      if (e.failure()) {
+    for (int64_t i = i0; i < i1; ++i)
+      if (auto r = product(used[i], true); r.failure()) {
         std::lock_guard<std::mutex> hold(failed);
-        if (first.empty()) first = std::string(e.message());
+        if (first.empty()) first = std::string(r.message());
       }
-    }
   });
   return first.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(first);
 }
@@ -763,12 +783,12 @@ static auto product_binding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQMatmul, pantheon::QMatmul, product_binding().Attr<int64_t>("int8_activations"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonQMatmulGrouped, pantheon::QMatmulGrouped,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PantheonExpertMatmul, pantheon::ExpertMatmul,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("int8_activations")

@@ -229,29 +229,32 @@ def qmatmul(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Arr
                 int8_activations=np.int64(int8_activations)).reshape(*lead, w.n_out)
 
 
-def grouped_qmatmul(x: jax.Array, w: QMatrix, owner: jax.Array, int8_activations: bool = False,
-                    gemm_rows: int = 0) -> jax.Array:
-    """Routed experts read in place: x [R, n_in] f32 in len(owner) blocks of R / len(owner) rows;
-    w the stacked experts' blocks [X, n_out, row bytes]; block b times expert owner[b]'s matrix
-    (qmatmul.cc: QMatmulGrouped, no expert copied out). Returns [R, n_out]. A block's trailing rows
-    of zeros are zeros, not computed; blocks of >= gemm_rows rows (0: none; exact numerics, AVX-512
-    builds) take the GEMM, the others the row kernels, as `qmatmul`/`qgemm` would alone."""
+def expert_qmatmul(x: jax.Array, experts: jax.Array, w: QMatrix, int8_activations: bool = False,
+                   gemm_rows: int = 0) -> jax.Array:
+    """Routed experts read in place (qmatmul.cc: ExpertMatmul): row a = n k + j of the result is
+    token n's j-th assignment, x's row times expert experts[n, j]'s matrix of the stacked experts'
+    blocks w [X, n_out, row bytes] (no expert copied out). x: [N, n_in], a row per token (the gate
+    and up products), or [N k, n_in], a row per assignment (the down product); experts: int [N, k].
+    Returns [N k, n_out]. Each expert's rows are one product, the kernel that many rows take alone:
+    from gemm_rows rows (0: never; exact numerics, AVX-512 builds) the GEMM, as `qgemm`, else the
+    row kernels, as `qmatmul`; trailing rows of zeros are zeros, not computed."""
     if w.blocks.ndim != 3 or base_type(w.qtype) != w.qtype:
-        raise ValueError("grouped_qmatmul takes stacked experts' blocks [X, n_out, row bytes], untiled")
+        raise ValueError("expert_qmatmul takes stacked experts' blocks [X, n_out, row bytes], untiled")
     if w.qtype not in BLOCK_BYTES and w.qtype not in K_TYPES:
-        raise ValueError(f"grouped_qmatmul: no kernel reads type {w.qtype}")
-    n_out = w.blocks.shape[1]
-    call = jax.ffi.ffi_call("pantheon_qmatmul_grouped", jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32))
-    return call(x.astype(jnp.float32), w.blocks, owner.astype(jnp.int32), qtype=np.int64(w.qtype),
+        raise ValueError(f"expert_qmatmul: no kernel reads type {w.qtype}")
+    n, k = experts.shape
+    call = jax.ffi.ffi_call("pantheon_expert_matmul", jax.ShapeDtypeStruct((n * k, w.blocks.shape[1]), jnp.float32))
+    return call(x.astype(jnp.float32), experts.astype(jnp.int32), w.blocks, qtype=np.int64(w.qtype),
                 int8_activations=np.int64(int8_activations), gemm_rows=np.int64(0 if int8_activations else gemm_rows))
 
 
-def grouped_qmatmul_reference(x: jax.Array, w: QMatrix, owner: jax.Array, int8_activations: bool = False) -> jax.Array:
-    """grouped_qmatmul in plain jnp: each block through qmatmul_reference against its expert."""
-    blocks = owner.shape[0]
-    xb = x.reshape(blocks, -1, x.shape[-1])
-    one = lambda xi, e: qmatmul_reference(xi, QMatrix(w.blocks[e], w.qtype, w.n_in), int8_activations)  # noqa: E731
-    return jnp.concatenate([one(xb[b], owner[b]) for b in range(blocks)], axis=0)
+def expert_qmatmul_reference(x: jax.Array, experts: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
+    """expert_qmatmul in plain jnp: each assignment's row through qmatmul_reference against its expert."""
+    n, k = experts.shape
+    rows = jnp.repeat(x, k, axis=0) if x.shape[0] == n else x
+    flat = experts.reshape(-1)
+    one = lambda xi, e: qmatmul_reference(xi[None], QMatrix(w.blocks[e], w.qtype, w.n_in), int8_activations)[0]  # noqa: E731
+    return jnp.stack([one(rows[a], flat[a]) for a in range(n * k)]) if n * k else jnp.zeros((0, w.blocks.shape[1]))
 
 
 def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:

@@ -269,9 +269,9 @@ def test_routed_experts_stay_in_their_blocks(tmp_path):
 
 @pytest.mark.parametrize("mode", ["exact", "llamacpp"])
 def test_routed_experts_are_read_in_place(tmp_path, mode):
-    """Each role of a layer's routed experts is one call of the grouped kernel over the chosen
-    experts' rows where the file holds them (qmatmul.grouped_qmatmul): no expert is copied out, no
-    per-block loop; every token's result is, bit for bit, its own row through each of its experts
+    """Each role of a layer's routed experts is one call of the kernel over the chosen experts'
+    rows where the file holds them (qmatmul.expert_qmatmul): no expert is copied out, no per-block
+    loop; every token's result is, bit for bit, its own row through each of its experts
     alone (layers.swiglu on layers.expert)."""
     import jax
     import jax.numpy as jnp
@@ -292,7 +292,7 @@ def test_routed_experts_are_read_in_place(tmp_path, mode):
     experts = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(5)]).astype(np.int32))
     fn = jax.jit(partial(grouped_experts, schemes=schemes))
     hlo = fn.lower(x, experts, *roles).as_text()
-    assert hlo.count("custom_call @pantheon_qmatmul_grouped(") == 3 and "custom_call @pantheon_qmatmul(" not in hlo
+    assert hlo.count("custom_call @pantheon_expert_matmul(") == 3 and "custom_call @pantheon_qmatmul(" not in hlo
     got = np.asarray(fn(x, experts, *roles))
     for i in range(5):
         for j, e in enumerate(np.asarray(experts[i])):

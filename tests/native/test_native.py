@@ -16,7 +16,7 @@ from pantheon.gguf.quants import dequantize_np, quantize_np
 from pantheon.native import build
 from pantheon.native.attention import attention_decode
 from pantheon.native.qmatmul import U4_1, QMatrix, dequantize_blocks, embed_rows, qmatmul, qmatmul_reference, unpack_nibbles
-from pantheon.native.qmatmul import TILED, dequantize_native, grouped_qmatmul, grouped_qmatmul_reference, tile_k, untile_blocks
+from pantheon.native.qmatmul import TILED, dequantize_native, expert_qmatmul, expert_qmatmul_reference, tile_k, untile_blocks
 from pantheon.pallas import dispatch
 from pantheon.pallas.attention import attention_reference, cached_attention_blocked
 
@@ -519,43 +519,51 @@ def stacked_experts(rng, n_expert: int, n_out: int, n_in: int, qtype) -> tuple[Q
 
 @pytest.mark.parametrize("qtype,int8_activations", [(t, i) for t in QTYPES + K_QTYPES for i in (False, True)] +
                          [(t, False) for t in HALF], ids=lambda v: getattr(v, "name", {False: "f32", True: "int8"}.get(v)))
-def test_grouped_experts_are_each_blocks_own_product(qtype, int8_activations):
-    """Routed experts read in place (qmatmul.grouped_qmatmul): block b of x times expert owner[b]'s
-    rows of the stacked blocks is, bit for bit, the kernel's product of those rows with that expert
-    alone — spread over the cores (8 blocks) or each over all of them (1 block) — and within f32
-    accuracy of the jnp reference; a block's trailing zero rows (its padding) and an unused block are
-    zeros; exact blocks of gemm_rows rows or more take the GEMM where it is built, as qgemm."""
+def test_routed_experts_are_each_experts_own_product(qtype, int8_activations):
+    """Routed experts read in place (qmatmul.expert_qmatmul): each assignment's row times its
+    expert's rows of the stacked blocks is, bit for bit, the kernel's product of that expert's rows
+    (its assignments in order, from a row per token or per assignment) with the expert alone —
+    experts spread over the cores (several) or each over all of them (one) — and within f32
+    accuracy of the jnp reference; trailing rows of zeros (a chunk's padding, routed last) are
+    zeros; exact products of gemm_rows rows or more take the GEMM where it is built, as qgemm."""
+    from pantheon.native.qmatmul import qgemm
+
     rng = np.random.default_rng()
     n_in = 512
     w, alone = stacked_experts(rng, 5, 64, n_in, qtype)
-    for owner, rows in (([3, 0, 3, 4, 1, 2, 0, 4], 4), ([2], 6)):
-        x = rng.standard_normal((len(owner) * rows, n_in)).astype(np.float32)
-        x[rows - 1] = x[2 * rows - 2:2 * rows] = 0.0  # padding: block 0's last row, block 1's last two
-        if len(owner) > 2:
-            x[3 * rows:4 * rows] = 0.0  # an unused block
-        x, ids = jnp.asarray(x), jnp.asarray(owner, jnp.int32)
-        for gemm_rows in ((0, 3) if build.gemm() and not int8_activations else (0,)):
-            got = np.asarray(jax.jit(partial(grouped_qmatmul, int8_activations=int8_activations, gemm_rows=gemm_rows))(x, w, ids))
-            for b, e in enumerate(owner):
-                xb = x[b * rows:(b + 1) * rows]
-                live = int(np.flatnonzero(np.asarray(xb).any(axis=1)).max(initial=-1)) + 1
-                want = np.zeros((rows, 64), np.float32)
-                if live:
-                    from pantheon.native.qmatmul import qgemm
-                    one = (qgemm(xb[:live], alone[e]) if gemm_rows and live >= gemm_rows
-                           else qmatmul(xb[:live], alone[e], int8_activations=int8_activations))
-                    want[:live] = np.asarray(one)
-                np.testing.assert_array_equal(got[b * rows:(b + 1) * rows], want, err_msg=f"block {b}, gemm_rows {gemm_rows}")
-        ref = np.asarray(jax.jit(partial(grouped_qmatmul_reference, int8_activations=int8_activations))(x, w, ids))
-        assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max() * np.sqrt(n_in / 32)
+    for experts in ([[3, 0], [3, 4], [1, 3], [0, 4], [3, 1], [2, 3]], [[2], [2], [2]]):
+        ids = np.asarray(experts, np.int32)
+        n, k = ids.shape
+        tokens = rng.standard_normal((n, n_in)).astype(np.float32)
+        tokens[-1] = 0.0  # padding: the last token
+        for x in (tokens, np.repeat(tokens, k, axis=0) * rng.uniform(0.5, 2, (n * k, 1)).astype(np.float32)):
+            rows_of = lambda a: x[a] if x.shape[0] == n * k else x[a // k]  # noqa: E731
+            for gemm_rows in ((0, 3) if build.gemm() and not int8_activations else (0,)):
+                got = np.asarray(jax.jit(partial(expert_qmatmul, int8_activations=int8_activations, gemm_rows=gemm_rows))(
+                    jnp.asarray(x), jnp.asarray(ids), w))
+                for e in set(ids.reshape(-1).tolist()):
+                    at = np.flatnonzero(ids.reshape(-1) == e)  # its assignments, in order
+                    xe = np.stack([rows_of(a) for a in at])
+                    live = int(np.flatnonzero(xe.any(axis=1)).max(initial=-1)) + 1
+                    want = np.zeros((len(at), 64), np.float32)
+                    if live:
+                        xl = jnp.asarray(xe[:live])
+                        want[:live] = np.asarray(qgemm(xl, alone[e]) if gemm_rows and live >= gemm_rows
+                                                 else qmatmul(xl, alone[e], int8_activations=int8_activations))
+                    np.testing.assert_array_equal(got[at], want, err_msg=f"expert {e}, gemm_rows {gemm_rows}")
+            ref = np.asarray(jax.jit(partial(expert_qmatmul_reference, int8_activations=int8_activations))(
+                jnp.asarray(x), jnp.asarray(ids), w))
+            assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max() * np.sqrt(n_in / 32)
 
 
-def test_grouped_experts_refuse_an_expert_id_out_of_range():
+def test_routed_experts_refuse_an_expert_id_out_of_range_and_a_mismatched_x():
     rng = np.random.default_rng(0)
     w, _ = stacked_experts(rng, 3, 32, 256, Q.Q4_K)
-    x = jnp.asarray(rng.standard_normal((4, 256)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((2, 256)).astype(np.float32))
     with pytest.raises(Exception, match="expert id out of range"):
-        np.asarray(grouped_qmatmul(x, w, jnp.asarray([0, 3], jnp.int32)))
+        np.asarray(expert_qmatmul(x, jnp.asarray([[0], [3]], jnp.int32), w))
+    with pytest.raises(Exception, match="a row per token or per assignment"):
+        np.asarray(expert_qmatmul(x, jnp.asarray([[0, 1], [2, 1], [1, 0]], jnp.int32), w))
 
 
 def test_a_prefill_chunk_holds_no_layer_of_f32_weights(monkeypatch):
