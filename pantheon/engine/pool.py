@@ -19,7 +19,7 @@ from pantheon.engine.engine import Engine
 from pantheon.engine.memory import meminfo_bytes, release_free_memory
 from pantheon.gguf.reader import MAX_MESSAGE, GGUFError, clip, open_gguf
 from pantheon.model.dtypes import compute_dtype, itemsize, kv_cache_dtype, kv_value_bytes
-from pantheon.model.qwen35moe import expert_role, q3k_expert_roles
+from pantheon.model.qwen35moe import expert_role, held_in_blocks, q3k_expert_roles
 from pantheon.model.spec import spec_from_gguf
 from pantheon.model.state import layer_lengths
 from pantheon.native import build as native_build
@@ -77,30 +77,36 @@ def estimate_device_bytes(path: str, ctx: int, n_slots: int, kv_dtype: str = "au
     return estimate_bytes(arch, tensors, meta("block_count", 0), kv_heads, head_dim, ctx, n_slots,
                           itemsize(compute_dtype(jax.default_backend())),
                           kv_value_bytes(kv_cache_dtype(jax.default_backend(), kv_dtype, numerics)), kv_positions,
-                          gpu_blocks=jax.default_backend() in GPU_BACKENDS and not mesh)
+                          gpu_blocks=jax.default_backend() in GPU_BACKENDS and not mesh,
+                          on_cpu=jax.default_backend() == "cpu")
 
 
 def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads: int, head_dim: int, ctx: int,
                    n_slots: int, itemsize: int = 4, kv_itemsize: float | None = None,
-                   kv_positions: int | None = None, gpu_blocks: bool = False) -> int:
+                   kv_positions: int | None = None, gpu_blocks: bool = False, on_cpu: bool = False) -> int:
     """tensors: {name: (shape, ggml type, GGUF bytes)}. Tensor by tensor as the loaders place them:
     routed experts whose role stays Q3_K stay in blocks (qwen35moe.q3k_expert_roles: Q3KPlanes), every
     other matrix is dequantized to the compute dtype (`itemsize` bytes; the few kept f32 are
     counted at it too: the router and conv taps are <0.1 % of a model), 1-D tensors stay f32; but
-    an f32 dense model on the CPU with the native kernel keeps the matrices the kernel reads in
-    their blocks only (weights._load_resident, either numerics); plus KV of
+    an f32 model on the CPU with the native kernel keeps the matrices the kernel reads in
+    their blocks only (weights._load_resident, qwen35moe.held_in_blocks; either numerics); plus KV of
     `kv_itemsize` bytes a value (default: the compute dtype's; q8_0's 34 / 32) for n_slots + the scratch slot (every layer counted, an upper bound for the
     hybrid's attention-only KV); kv_positions: the positions all layers hold together, where
     sliding layers hold rings (default n_layer * ctx). gpu_blocks (one GPU): the layer matrices the
-    Pallas kernel reads stay in blocks as QPlanes (weights._load_planes; pallas/qmatmul.py)."""
+    Pallas kernel reads stay in blocks as QPlanes (weights._load_planes; pallas/qmatmul.py). on_cpu:
+    the CPU backend, where qwen35moe's layers hold their blocks too (qwen35moe.held_in_blocks)."""
     q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items()
                            if expert_role(name)) if arch == "qwen35moe" else frozenset()
-    resident = arch != "qwen35moe" and itemsize == 4 and native_build.available()
+    resident = itemsize == 4 and native_build.available()
+    if arch == "qwen35moe":  # its loader keeps blocks on the CPU only, its layers' (qwen35moe.load_params)
+        held = lambda name: on_cpu and name.startswith("blk.") and held_in_blocks(name, q3k)  # noqa: E731
+    else:
+        held = lambda name: True  # noqa: E731
     weights = 0
     for name, (shape, kind, nbytes) in tensors.items():
         if expert_role(name) in q3k:
             weights += int(nbytes * Q3K_PLANE_BYTES)
-        elif resident and len(shape) in (2, 3) and qmatmul_supported(kind):  # 3: routed experts in blocks
+        elif resident and len(shape) in (2, 3) and qmatmul_supported(kind) and held(name):  # 3: routed experts
             weights += nbytes  # the file's blocks
         elif gpu_blocks and arch != "qwen35moe" and gpu_holds(kind, shape):
             weights += plane_bytes(kind, nbytes)

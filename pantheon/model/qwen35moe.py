@@ -48,7 +48,9 @@ from pantheon.model.numerics import Numerics
 from pantheon.model.spec import ROPE_NEOX, HybridSpec
 from pantheon.model.state import HybridState, allocate_hybrid_state, kv_write
 from pantheon.model.step import LayerCall, StepInputs, direct
-from pantheon.model.weights import load_tensor
+from pantheon.model.weights import load_blocks, load_tensor
+from pantheon.native import build as native_build
+from pantheon.native.qmatmul import QMatrix
 from pantheon.pallas import dispatch
 from pantheon.pallas.deltanet import kernel_supports
 from pantheon.pallas.moe import route
@@ -112,9 +114,12 @@ def q3k_expert_roles(typed_roles) -> frozenset[str]:
 
 
 def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = frozenset(),
-                   int_blocks: bool = False) -> dict[str, np.ndarray | Q3KPlanes | IntBlocks]:
+                   int_blocks: bool = False, blocks: bool = False) -> dict[str, np.ndarray | Q3KPlanes | IntBlocks | QMatrix]:
     """Layer i's tensors: the expert roles in `q3k` as planes; with `int_blocks` (llamacpp numerics)
-    every other quantized matrix as IntBlocks, the rest dequantized float32."""
+    every other quantized matrix as IntBlocks; with `blocks` (the CPU's native kernels) every
+    matrix of a type they read as the file's blocks (QMatrix; routed experts one stacked QMatrix a
+    role, unless Q3_K planes take gate/up, whose grouped path wants a dense down), except the
+    _KEEP_F32 ones; the rest dequantized float32."""
     out = {}
     for key, name in _layer_names(g, spec, i).items():
         if key in _EXPERTS and expert_role(name) in q3k:  # raw [X, out, row bytes] blocks -> planes, never dequantized
@@ -125,6 +130,13 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = 
                 out[key] = q3k_planes_from_blocks(g.tensor_data(name))
             continue
         info = g.tensor_info(name)
+        m = load_blocks(g, name) if blocks and key not in _KEEP_F32 and not (q3k and key in _EXPERTS) else None
+        if m is not None:
+            if name.endswith(_FUSED_GATE_UP):  # rows: gate, then up
+                f = m.blocks.shape[-2] // 2
+                m = QMatrix(m.blocks[..., f:, :] if key == "exp_up" else m.blocks[..., :f, :], m.qtype, m.n_in)
+            out[key] = m
+            continue
         if int_blocks and key not in _KEEP_F32 and len(info.shape) >= 2 and info.ggml_type in SCALE_FIELDS:
             a = IntBlocks.from_gguf(g.tensor_data(name), info.ggml_type, int(info.shape[-1]))
             if name.endswith(_FUSED_GATE_UP):  # outputs: gate, then up
@@ -147,6 +159,14 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = 
 _KEEP_F32 = frozenset({"router", "sh_gate_inp", "conv"})
 
 
+def held_in_blocks(tensor_name: str, q3k: frozenset[str]) -> bool:
+    """Whether load_params keeps this layer tensor (of a type the native kernels read) as the file's
+    blocks on the CPU: not the _KEEP_F32 ones, nor routed experts beside Q3_K planes (admission's
+    estimate asks)."""
+    kept = tuple({**_FFN, **_DELTANET}[k] for k in _KEEP_F32)
+    return not tensor_name.endswith(kept) and not (q3k and expert_role(tensor_name))
+
+
 def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None, numerics: Numerics | None = None) -> dict:
     """The params pytree for `forward`: every matrix dequantized to `dtype` (1-D tensors and
     _KEEP_F32 stay f32), except Q3_K experts (`q3k_experts`), kept as Q3KPlanes, and, for `llamacpp`
@@ -154,14 +174,18 @@ def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None, n
     `device` may be a Device or a Sharding."""
     q3k = q3k_experts(g, spec)
     int_blocks = numerics is not None and numerics.mode == "llamacpp"
+    # On the CPU with the native kernels: the file's blocks, as the dense family holds them (its
+    # integer products over 8-bit activations are llama.cpp's arithmetic, as IntBlocks')
+    blocks = (dtype == jnp.float32 and jax.default_backend() == "cpu" and native_build.available()
+              and not (isinstance(device, jax.sharding.Sharding) and len(device.device_set) > 1))
 
     def put(a, key=""):
-        if isinstance(a, (Q3KPlanes, IntBlocks)):
+        if isinstance(a, (Q3KPlanes, IntBlocks, QMatrix)):
             return jax.device_put(a, device)
         keep = a.ndim < 2 or key in _KEEP_F32
         return jax.device_put(np.ascontiguousarray(a if keep else a.astype(dtype)), device)
 
-    layers = [{k: put(a, k) for k, a in _layer_tensors(g, spec, i, q3k, int_blocks).items()}
+    layers = [{k: put(a, k) for k, a in _layer_tensors(g, spec, i, q3k, int_blocks, blocks).items()}
               for i in range(spec.n_layer)]
     params = {"embed": put(load_tensor(g, "token_embd.weight")),
               "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}

@@ -16,6 +16,7 @@ from pantheon.gguf import open_gguf
 from pantheon.model.family import family_of
 from pantheon.model.spec import spec_from_gguf
 from pantheon.model.weights import params_nbytes
+from pantheon.native import build as native_build
 from tests.fixtures.reference_qwen35moe import write_f32, write_q3_k_m, write_q3k_experts
 from tests.fixtures.tiny_models import Q, write_tiny_llama
 
@@ -100,6 +101,10 @@ def test_a_35b_a3b_shaped_model_is_admitted_on_an_h200_die_only_with_q3k_experts
     with pytest.raises(PoolError) as e:
         pool.check_fits(config, f32)
     assert e.value.status == 507
+    if native_build.available():  # on the CPU its layers' matrices stay in the file's blocks (weights: ctx 1)
+        weights = lambda **cpu: pool_mod.estimate_bytes("qwen35moe", qwen35_35b_a3b_tensors(Q.Q5_K), 40, 2, 256, 1, 4,  # noqa: E731
+                                                        itemsize=4, **cpu)
+        assert weights(on_cpu=True) < 0.3 * weights()
 
 
 def test_bytes_per_device_survives_buffers_donated_by_a_running_step(tmp_path):

@@ -403,3 +403,30 @@ def test_fused_gate_up_experts_and_tied_head_load(tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+
+
+@pytest.mark.parametrize("expert_type,dims", [(Q.Q8_0, {}), (Q.Q4_K, dict(n_embd=256, n_ff_exp=256, n_ff_shexp=256))],
+                         ids=["Q8_0", "Q4_K"])
+def test_quantized_experts_stay_in_their_blocks_on_the_cpu(tmp_path, monkeypatch, expert_type, dims):
+    """On the CPU with the native kernels, routed experts of a type they read (not Q3_K's planes)
+    load as the file's blocks, one QMatrix a role holding the file's bytes, read in place by the
+    expert kernel; the forward equals the one over the same weights dequantized to f32."""
+    from pantheon.native import build
+    from pantheon.native.qmatmul import QMatrix
+
+    if not build.available():
+        pytest.skip(f"native kernels not built here: {build.unavailable_reason()}")
+    path = write_tiny_qwen35moe(tmp_path / "m.gguf", expert_type=expert_type, seed=7, **dims)
+    g = open_gguf(path)
+    blocks = load(path)
+    for w in blocks.params["layers"]:
+        for key, name in (("exp_gate", "ffn_gate_exps"), ("exp_up", "ffn_up_exps"), ("exp_down", "ffn_down_exps")):
+            assert isinstance(w[key], QMatrix) and w[key].blocks.nbytes == g.tensor_info(f"blk.0.{name}.weight").nbytes
+        assert not isinstance(w["router"], QMatrix)  # kept f32: it decides which experts run
+    monkeypatch.setattr(qwen35moe, "load_blocks", lambda g, name: None)
+    dense = load(path)
+    assert not isinstance(dense.params["layers"][0]["exp_gate"], QMatrix)
+    rows = [np.random.default_rng(3).integers(1, blocks.spec.n_vocab, 13).tolist()]
+    got, want = (run(m, qwen35moe.allocate_state(m.spec, n_slots=SLOTS, ctx=CTX), rows, [0], [0], 16)[0]
+                 for m in (blocks, dense))
+    assert max_err(got[0, :13], want[0, :13]) <= TOL * max(1.0, float(np.abs(want).max()))
