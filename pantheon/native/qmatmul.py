@@ -249,12 +249,13 @@ def expert_qmatmul(x: jax.Array, experts: jax.Array, w: QMatrix, int8_activation
 
 
 def expert_qmatmul_reference(x: jax.Array, experts: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:
-    """expert_qmatmul in plain jnp: each assignment's row through qmatmul_reference against its expert."""
+    """expert_qmatmul in plain jnp: each assignment's row through qmatmul_reference against its expert
+    (every expert's product of every row, then each row's own: a test's reference, small X)."""
     n, k = experts.shape
     rows = jnp.repeat(x, k, axis=0) if x.shape[0] == n else x
-    flat = experts.reshape(-1)
-    one = lambda xi, e: qmatmul_reference(xi[None], QMatrix(w.blocks[e], w.qtype, w.n_in), int8_activations)[0]  # noqa: E731
-    return jnp.stack([one(rows[a], flat[a]) for a in range(n * k)]) if n * k else jnp.zeros((0, w.blocks.shape[1]))
+    every = jnp.stack([qmatmul_reference(rows, QMatrix(w.blocks[e], w.qtype, w.n_in), int8_activations)
+                       for e in range(w.blocks.shape[0])])  # [X, N k, n_out]: each row through every expert
+    return jnp.take_along_axis(every, experts.reshape(1, -1, 1).astype(jnp.int32), axis=0)[0]
 
 
 def qmatmul_reference(x: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:

@@ -531,12 +531,13 @@ def test_routed_experts_are_each_experts_own_product(qtype, int8_activations):
     rng = np.random.default_rng()
     n_in = 512
     w, alone = stacked_experts(rng, 5, 64, n_in, qtype)
-    for experts in ([[3, 0], [3, 4], [1, 3], [0, 4], [3, 1], [2, 3]], [[2], [2], [2]]):
+    for experts, per_token in (([[3, 0], [3, 4], [1, 3], [0, 4], [3, 1], [2, 3]], True), ([[2, 0], [2, 1], [0, 2]], False),
+                               ([[2], [2], [2]], True)):  # several experts (over the cores), one (each over all)
         ids = np.asarray(experts, np.int32)
         n, k = ids.shape
         tokens = rng.standard_normal((n, n_in)).astype(np.float32)
         tokens[-1] = 0.0  # padding: the last token
-        for x in (tokens, np.repeat(tokens, k, axis=0) * rng.uniform(0.5, 2, (n * k, 1)).astype(np.float32)):
+        for x in ([tokens] if per_token else [np.repeat(tokens, k, axis=0) * rng.uniform(0.5, 2, (n * k, 1)).astype(np.float32)]):
             rows_of = lambda a: x[a] if x.shape[0] == n * k else x[a // k]  # noqa: E731
             for gemm_rows in ((0, 3) if build.gemm() and not int8_activations else (0,)):
                 got = np.asarray(jax.jit(partial(expert_qmatmul, int8_activations=int8_activations, gemm_rows=gemm_rows))(
