@@ -98,8 +98,8 @@ def estimate_bytes(arch: str, tensors: dict[str, tuple], n_layer: int, kv_heads:
     q3k = q3k_expert_roles((expert_role(name), kind) for name, (_, kind, _) in tensors.items()
                            if expert_role(name)) if arch == "qwen35moe" else frozenset()
     resident = itemsize == 4 and native_build.available()
-    if arch == "qwen35moe":  # its loader keeps blocks on the CPU only, its layers' (qwen35moe.load_params)
-        held = lambda name: on_cpu and name.startswith("blk.") and held_in_blocks(name, q3k)  # noqa: E731
+    if arch == "qwen35moe":  # its loader keeps blocks on the CPU only (qwen35moe.load_params)
+        held = lambda name: on_cpu and held_in_blocks(name, q3k)  # noqa: E731
     else:
         held = lambda name: True  # noqa: E731
     weights = 0

@@ -50,7 +50,7 @@ from pantheon.model.state import HybridState, allocate_hybrid_state, kv_write
 from pantheon.model.step import LayerCall, StepInputs, direct
 from pantheon.model.weights import load_blocks, load_tensor
 from pantheon.native import build as native_build
-from pantheon.native.qmatmul import QMatrix
+from pantheon.native.qmatmul import QMatrix, embed_rows
 from pantheon.pallas import dispatch
 from pantheon.pallas.deltanet import kernel_supports
 from pantheon.pallas.moe import route
@@ -160,11 +160,13 @@ _KEEP_F32 = frozenset({"router", "sh_gate_inp", "conv"})
 
 
 def held_in_blocks(tensor_name: str, q3k: frozenset[str]) -> bool:
-    """Whether load_params keeps this layer tensor (of a type the native kernels read) as the file's
-    blocks on the CPU: not the _KEEP_F32 ones, nor routed experts beside Q3_K planes (admission's
-    estimate asks)."""
+    """Whether load_params keeps this matrix (of a type the native kernels read) as the file's blocks
+    on the CPU: the embedding, the head and the layers' matrices, but not the _KEEP_F32 ones nor
+    routed experts beside Q3_K planes (admission's estimate asks)."""
+    if tensor_name in ("token_embd.weight", "output.weight"):
+        return True
     kept = tuple({**_FFN, **_DELTANET}[k] for k in _KEEP_F32)
-    return not tensor_name.endswith(kept) and not (q3k and expert_role(tensor_name))
+    return tensor_name.startswith("blk.") and not tensor_name.endswith(kept) and not (q3k and expert_role(tensor_name))
 
 
 def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None, numerics: Numerics | None = None) -> dict:
@@ -187,11 +189,16 @@ def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None, n
 
     layers = [{k: put(a, k) for k, a in _layer_tensors(g, spec, i, q3k, int_blocks, blocks).items()}
               for i in range(spec.n_layer)]
-    params = {"embed": put(load_tensor(g, "token_embd.weight")),
+    embed_blocks = load_blocks(g, "token_embd.weight") if blocks else None  # looked up by row (embed_rows)
+    params = {"embed": put(embed_blocks if embed_blocks is not None else load_tensor(g, "token_embd.weight")),
               "output_norm": put(load_tensor(g, "output_norm.weight")), "layers": layers}
     head = "token_embd.weight" if spec.tied_embeddings else "output.weight"
     info = g.tensor_info(head)
-    if int_blocks and info.ggml_type in SCALE_FIELDS:  # the head's product in integer arithmetic
+    head_blocks = embed_blocks if spec.tied_embeddings else load_blocks(g, head) if blocks else None
+    if head_blocks is not None:  # the native products (`linear`); a tied head is the embedding's blocks
+        if not spec.tied_embeddings:
+            params["output"] = put(head_blocks)
+    elif int_blocks and info.ggml_type in SCALE_FIELDS:  # the head's product in integer arithmetic
         params["output"] = put(IntBlocks.from_gguf(g.tensor_data(head), info.ggml_type, int(info.shape[1])))
     elif not spec.tied_embeddings:
         params["output"] = put(load_tensor(g, head))
@@ -325,7 +332,10 @@ def _ffn(w, x, spec: HybridSpec, num: Numerics, kernels: kern.Kernels):
 # ---- compiled programs ------------------------------------------------------------------------------
 @jax.jit
 def embed(table, tokens):
-    """tokens int32 [B, T] -> x [B, T, E] (the residual stream is f32 whatever the table's dtype)."""
+    """tokens int32 [B, T] -> x [B, T, E] (the residual stream is f32 whatever the table's dtype);
+    table [V, E], or its blocks (QMatrix: the rows dequantized)."""
+    if isinstance(table, QMatrix):
+        return embed_rows(table, tokens).astype(jnp.float32)
     return table[tokens].astype(jnp.float32)
 
 
@@ -356,7 +366,7 @@ def ssm_block(w, conv_state, ssm_state, x, positions, slots, logit_index, *, spe
 def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Numerics, all_logits: bool,
          hidden: bool = False):
     """x [B, T, E] -> logits [B, V] at logit_index per row (or [B, T, V] with all_logits). table: the
-    head [V, E] (maybe the embedding), or IntBlocks [E, V]. hidden: the final-normed hidden states
+    head [V, E] (maybe the embedding), its blocks (QMatrix [V, E]), or IntBlocks [E, V]. hidden: the final-normed hidden states
     [B, T, E] instead (embeddings)."""
     if hidden:
         return rms_norm(x, output_norm, spec.rms_eps).astype(jnp.float32)
@@ -365,6 +375,8 @@ def head(table, output_norm, x, logit_index, *, spec: HybridSpec, numerics: Nume
     x = rms_norm(x, output_norm, spec.rms_eps)
     if isinstance(table, IntBlocks):  # [E, V], llamacpp numerics
         return int_linear(x, table)
+    if isinstance(table, QMatrix):  # the file's blocks [V, E] (the CPU's native products)
+        return linear(x, table, numerics.scheme("head"))
     x = quantize_activations(x, numerics.scheme("head"))
     # table [V, E]: maybe the embedding; bf16 operands accumulate in f32 (model/dtypes.py)
     return jnp.einsum("...i,vi->...v", x.astype(table.dtype), table, preferred_element_type=jnp.float32)

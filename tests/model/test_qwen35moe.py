@@ -202,8 +202,9 @@ def test_q3k_experts_with_llamacpp_numerics_match_llamacpp_quantized_run(ref):
 def test_q3_k_m_through_the_grouped_q3k_kernel_matches_llamacpp(ref, qwen35moe_q3_k_m_gguf):
     """llama.cpp's stock Q3_K_M file (Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q4_0 matrices) with `llamacpp`
     numerics: its Q3_K expert gate/up stay planes for the grouped Q3_K kernel (integer mode), the
-    Q4_K downs and every other quantized matrix are IntBlocks (ggml's integer arithmetic), silu is
-    ggml's x / (1 + exp(-x)).
+    Q4_K downs beside them are IntBlocks (ggml's integer arithmetic), every other quantized matrix
+    the file's blocks under the native kernel's integer products (ggml's too; IntBlocks without
+    the native build), silu is ggml's x / (1 + exp(-x)).
 
     An 8-bit activation rounding flips when an f32 sum before it (XLA's reductions: rms_norm, the
     attention, the delta rule) lands one ulp elsewhere, and where that happens moves with the vector
@@ -219,7 +220,12 @@ def test_q3_k_m_through_the_grouped_q3k_kernel_matches_llamacpp(ref, qwen35moe_q
     got, params = _llamacpp_run(qwen35moe_q3_k_m_gguf, ref)
     w = params["layers"][0]
     assert isinstance(w["exp_gate"], Q3KPlanes) and isinstance(w["exp_up"], Q3KPlanes)
-    assert isinstance(w["exp_down"], IntBlocks) and isinstance(params["output"], IntBlocks)
+    from pantheon.native import build
+    from pantheon.native.qmatmul import QMatrix
+
+    # on the CPU with the native kernels every other matrix is the file's blocks under their integer products
+    held = QMatrix if build.available() else IntBlocks
+    assert isinstance(w["exp_down"], IntBlocks) and isinstance(params["output"], held) and isinstance(w["w_qkv"], held)
     assert max_err(got["s5"], ref["logits"]("q3_k_m_s5")) <= TOL  # the F32 file's tolerance
     for name, run in (("s33", "q3_k_m_s33"), ("s70", "q3_k_m_s70"), ("s33", "q3_k_m_s33_incremental")):
         ours, want = got[name], ref["logits"](run)
