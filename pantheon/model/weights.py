@@ -50,7 +50,7 @@ def load_blocks(g: GGUFFile, name: str) -> native.QMatrix | None:
     """A matrix [out, in] as quant blocks (host uint8 [out, row bytes]), where the native kernel
     reads its type (pantheon/native/qmatmul.py), in both numerics modes, as the GGUF holds them;
     else None. Routed experts [X, out, in] come as one QMatrix of blocks [X, out, row bytes]:
-    `blocks[e]` is expert e's matrix (`layers.expert`)."""
+    `blocks[e]` is expert e's matrix, read in place by `qmatmul.expert_qmatmul`."""
     info = g.tensor_info(name)
     if len(info.shape) not in (2, 3) or not native.supported(info.ggml_type):
         return None

@@ -25,7 +25,7 @@ prefill and in the greedy decode): 4.3e-5; 1.3-2.7 with the window left out. The
 F32 fixtures is 1e-4 on every prompt (TIGHT). Routed experts (softmax gating, top-k renormalised,
 layers.grouped_experts over f32 experts): qwen3moe (8 experts, top 3, QK-norm) F32 7.5e-6 and Q8_0
 2.1e-6, llama with experts (Mixtral-style, 4 experts, top 2) F32 7e-6; Q8_0 and K-quant experts are
-read in their blocks by the native kernel (`layers.expert`): qwen3moe Q4_K (4 experts of 256, top 2)
+read in their blocks by the native kernel (`qmatmul.expert_qmatmul`, in place): qwen3moe Q4_K (4 experts of 256, top 2)
 <= 4.7e-6 on 4 prompts, 0.12 on one (a Q8_K rounding flip, as the dense Q4_K fixture's). LongRoPE (Phi-3 128k's short
 and long factors, attention factor 1.19; original context 64 under the 128 served: the long ones)
 1.1e-5. Q8_0 (the native

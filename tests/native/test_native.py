@@ -323,6 +323,9 @@ def as_cache(values, cache_dtype):
 
 
 CACHE_TYPES = [jnp.float32, jnp.float16, jnp.bfloat16, "q8_0"]
+# f32 summation orders differ between the kernels and the jnp reference: an output near 0.016 of
+# values ~N(0, 1) moved 2.9e-6 on the AVX2 build (D = 256, a window of 50; a fresh random case)
+ATTENTION_ATOL = 1e-5
 
 
 def prefill_case(rng, b, t, h, k, d, n_slots, c, start, cache_dtype):
@@ -356,7 +359,7 @@ def test_attention_decode_matches_the_blocked_reference(cache_dtype):
         pos = jnp.asarray(pos, jnp.int32)
         got = np.asarray(jax.jit(attention_decode)(q, kc, vc, slots, pos + 1))
         ref = np.asarray(jax.jit(cached_attention_blocked)(q[:, None], kf, vf, slots, pos[:, None])[:, 0])
-        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
+        np.testing.assert_allclose(got, ref, atol=ATTENTION_ATOL, rtol=2e-5)
         one = np.asarray(jax.jit(attention_decode)(q[-1:], kc, vc, slots[-1:], pos[-1:] + 1))
         np.testing.assert_array_equal(one[0], got[-1])  # independent of its batch-mates
 
@@ -640,7 +643,7 @@ def test_prefill_attention_matches_the_blocked_reference(cache_dtype):
         pos = jnp.asarray(pos)
         got = np.asarray(jax.jit(attention_prefill)(q, kc, vc, slots, pos))
         ref = np.asarray(jax.jit(cached_attention_blocked)(q, kf, vf, slots, pos))
-        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
+        np.testing.assert_allclose(got, ref, atol=ATTENTION_ATOL, rtol=2e-5)
         if b > 1:
             assert not got[1].any()
         alone = np.asarray(jax.jit(attention_prefill)(q[:1], kc, vc, slots[:1], pos[:1]))
@@ -679,7 +682,7 @@ def test_windowed_prefill_attention_matches_the_blocked_reference(cache_dtype):
         got = np.asarray(native(q, kc, vc, slots, pos, window=window, ring=ring))
         ref = np.asarray(jax.jit(cached_attention_blocked, static_argnames=("window", "ring", "length"))(
             q, kf, vf, slots, pos, window=window, ring=ring, length=length))
-        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=2e-5)
+        np.testing.assert_allclose(got, ref, atol=ATTENTION_ATOL, rtol=2e-5)
         alone = np.asarray(native(q[:1], kc, vc, slots[:1], pos[:1], window=window, ring=ring))
         np.testing.assert_array_equal(alone[0], got[0])
         split = t // 3
