@@ -127,18 +127,20 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     w_gate/w_up: [X, E, F]; w_down: [X, F, E] (or QMatrix blocks [X, out, row bytes]). Returns [N, k, E].
 
     Experts held as the file's blocks (QMatrix) are read in place by the native kernel, one call a
-    role over every chosen expert (expert_qmatmul: each expert's rows one product). Otherwise the
+    role over every chosen expert (expert_qmatmul: each expert's rows one product), but for tall
+    exact blocks without the native GEMM (_xla_gemm_wins). Otherwise the
     N*k assignments are sorted by expert and packed into blocks of `rows` rows, each block owned by
     one expert, so a block is a dense matmul against one expert's weights and only chosen experts
     are read (decode: rows = 1, one weight read per assignment)."""
     n, k = experts.shape
     if any(isinstance(m, QPlanes) for m in (w_gate, w_up, w_down)):
         return _grouped_planes(x, experts, w_gate, w_up, w_down, schemes)
-    if all(isinstance(m, QMatrix) for m in (w_gate, w_up, w_down)):
-        gate, up = (_expert_product(x, experts, m, s) for m, s in ((w_gate, schemes[0]), (w_up, schemes[1])))
-        return _expert_product(silu(gate) * up, experts, w_down, schemes[2]).reshape(n, k, -1)
     n_expert, a = w_gate.shape[0], n * k
     rows = _rows_per_block(a, n_expert)
+    roles = (w_gate, w_up, w_down)
+    if all(isinstance(m, QMatrix) for m in roles) and not _xla_gemm_wins(rows, roles, schemes):
+        gate, up = (_expert_product(x, experts, m, s) for m, s in ((w_gate, schemes[0]), (w_up, schemes[1])))
+        return _expert_product(silu(gate) * up, experts, w_down, schemes[2]).reshape(n, k, -1)
     n_blocks = (a + min(a, n_expert) * (rows - 1)) // rows  # static bound: each used expert adds < 1 block
 
     flat = experts.reshape(a)
@@ -160,12 +162,26 @@ def grouped_experts(x, experts, w_gate, w_up, w_down, schemes):
     return jnp.zeros((a, y.shape[-1]), y.dtype).at[order].set(y[dest]).reshape(n, k, -1)
 
 
+def _one_expert(w: QMatrix) -> QMatrix:
+    """An expert's matrix of the stacked w, by shape (for kernel_rows and native_gemm)."""
+    return QMatrix(jax.ShapeDtypeStruct(w.blocks.shape[1:], w.blocks.dtype), w.qtype, w.n_in)
+
+
+def _xla_gemm_wins(rows: int, roles, schemes) -> bool:
+    """Without the native GEMM (AVX2 builds) an exact product of more than kernel_rows rows is
+    faster as XLA's GEMM over the matrix dequantized (`linear`), so blocks of that many rows take the
+    block path (AVX2 build, qwen3moe mid shape, 365-token prefill: 3.5 s on the block path, 4.2
+    through the expert kernel's row tiles, 3.1 by this rule, its 109-token remainder in the kernel;
+    138 tokens, blocks of 16: 1.9 on the block path, 1.5 in the kernel)."""
+    return not build.gemm() and any(s == NONE and rows > kernel_rows(_one_expert(w)) for w, s in zip(roles, schemes))
+
+
 def _expert_product(x, experts, w: QMatrix, scheme: str) -> jax.Array:
     """x's rows (a token's, or an assignment's) times their experts' matrices of the stacked w,
     read in place (expert_qmatmul), x rounded per `scheme` and each expert's rows taking the kernel
     `linear` gives a product of that many rows: the GEMM past kernel_rows in exact numerics where
     it is built."""
-    one = QMatrix(jax.ShapeDtypeStruct(w.blocks.shape[1:], w.blocks.dtype), w.qtype, w.n_in)  # an expert's shape
+    one = _one_expert(w)
     if scheme == NONE:
         return expert_qmatmul(x, experts, w, gemm_rows=kernel_rows(one) + 1 if native_gemm(one) else 0)
     int8 = scheme in (Q8_0, Q8_K)

@@ -298,3 +298,33 @@ def test_routed_experts_are_read_in_place(tmp_path, mode):
         for j, e in enumerate(np.asarray(experts[i])):
             alone = swiglu(x[i:i + 1], *(expert(w, int(e)) for w in roles), schemes)
             np.testing.assert_array_equal(got[i, j], np.asarray(alone)[0], err_msg=f"token {i}, expert {e}")
+
+
+def test_tall_exact_expert_blocks_take_xlas_gemm_without_the_native_one(tmp_path, monkeypatch):
+    """Where the native GEMM is not built (AVX2), exact blocks of more than kernel_rows rows go the
+    block path (`linear`: XLA's GEMM over the dequantized expert), shorter ones and `llamacpp`
+    numerics the expert kernel; with the native GEMM every chunk takes the kernel."""
+    import jax
+    import jax.numpy as jnp
+    from functools import partial
+    from pantheon.model import layers
+
+    path = write_tiny_llama(tmp_path / "moe.gguf", arch="qwen3moe", weight_type=Q.Q4_K, qk_norm=True, head_dim=64,
+                            n_expert=4, n_expert_used=2, n_ff_exp=256, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+    g = open_gguf(path)
+    spec = spec_from_gguf(g)
+    layer = load_params(g, spec, numerics=numerics_for(g, spec, "exact"))["layers"][0]
+    roles = (layer["exp_gate"], layer["exp_up"], layer["exp_down"])
+
+    def kernel_calls(tokens, scheme=NONE):
+        x = jnp.zeros((tokens, 256), jnp.float32)
+        experts = jnp.zeros((tokens, 2), jnp.int32)
+        hlo = jax.jit(partial(layers.grouped_experts, schemes=(scheme,) * 3)).lower(x, experts, *roles).as_text()
+        return hlo.count("custom_call @pantheon_expert_matmul(")
+
+    monkeypatch.setattr(layers.build, "gemm", lambda: False)  # an AVX2 build's kernels
+    monkeypatch.setattr(layers.build, "fixed_point", lambda: False)
+    assert kernel_calls(200) == 0 and kernel_calls(8) == 3  # blocks of 64 rows; of 4
+    assert kernel_calls(200, Q8_K) == 3
+    monkeypatch.setattr(layers.build, "gemm", lambda: True)
+    assert kernel_calls(200) == 3
