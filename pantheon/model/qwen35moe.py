@@ -130,7 +130,7 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = 
                 out[key] = q3k_planes_from_blocks(g.tensor_data(name))
             continue
         info = g.tensor_info(name)
-        m = load_blocks(g, name) if blocks and key not in _KEEP_F32 and not (q3k and key in _EXPERTS) else None
+        m = load_blocks(g, name) if blocks and held_in_blocks(name, q3k) else None
         if m is not None:
             if name.endswith(_FUSED_GATE_UP):  # rows: gate, then up
                 f = m.blocks.shape[-2] // 2
@@ -157,16 +157,17 @@ def _layer_tensors(g: GGUFFile, spec: HybridSpec, i: int, q3k: frozenset[str] = 
 # gate decide which weights run (a bf16 rounding can swap two close experts), and the conv taps
 # feed the recurrent state.
 _KEEP_F32 = frozenset({"router", "sh_gate_inp", "conv"})
+_KEEP_F32_NAMES = tuple({**_FFN, **_DELTANET}[k] for k in sorted(_KEEP_F32))  # their tensors' names in blk.N
 
 
 def held_in_blocks(tensor_name: str, q3k: frozenset[str]) -> bool:
     """Whether load_params keeps this matrix (of a type the native kernels read) as the file's blocks
     on the CPU: the embedding, the head and the layers' matrices, but not the _KEEP_F32 ones nor
-    routed experts beside Q3_K planes (admission's estimate asks)."""
+    routed experts beside Q3_K planes. The loader (`_layer_tensors`) and admission's estimate ask."""
     if tensor_name in ("token_embd.weight", "output.weight"):
         return True
-    kept = tuple({**_FFN, **_DELTANET}[k] for k in _KEEP_F32)
-    return tensor_name.startswith("blk.") and not tensor_name.endswith(kept) and not (q3k and expert_role(tensor_name))
+    return (tensor_name.startswith("blk.") and not tensor_name.endswith(_KEEP_F32_NAMES)
+            and not (q3k and expert_role(tensor_name)))
 
 
 def load_params(g: GGUFFile, spec: HybridSpec, dtype=jnp.float32, device=None, numerics: Numerics | None = None) -> dict:

@@ -374,7 +374,8 @@ void columns(int64_t t, const float* x, const float* xsum, const uint8_t* w, flo
 }
 
 // The products below take x [M, K] (M: the rows computed), W's blocks [N, row_bytes] and y [M, N]
-// as pointers: a matrix of its own (the FFI calls) or one routed expert's rows in place (grouped).
+// as pointers: a matrix of its own (the FFI calls) or one routed expert's rows in place
+// (ExpertMatmul); alone: on the calling thread only (ExpertMatmul spreads experts over the cores).
 
 // K-quant super-blocks (kquants.h): f32 activations, or 8-bit ones rounded to Q8_K.
 ffi::Error KMatmul(ffi::ThreadPool& pool, const float* xp, const uint8_t* wp, float* yp, int64_t M, int64_t N,
@@ -714,7 +715,7 @@ ffi::Error ExpertMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (R != T && R != A) return ffi::Error::InvalidArgument("expert_matmul: x needs a row per token or per assignment");
   const bool per_token = R == T;  // (k == 1: the same rows either way)
   const int32_t* ids = experts.typed_data();
-  std::vector<int64_t> count(X + 1, 0), start(X + 1, 0), order(A);
+  std::vector<int64_t> count(X, 0), start(X + 1, 0), order(A);
   for (int64_t a = 0; a < A; ++a) {
     if (ids[a] < 0 || ids[a] >= X) return ffi::Error::InvalidArgument("expert_matmul: an expert id out of range");
     ++count[ids[a]];

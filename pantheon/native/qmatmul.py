@@ -236,8 +236,9 @@ def expert_qmatmul(x: jax.Array, experts: jax.Array, w: QMatrix, int8_activation
     blocks w [X, n_out, row bytes] (no expert copied out). x: [N, n_in], a row per token (the gate
     and up products), or [N k, n_in], a row per assignment (the down product); experts: int [N, k].
     Returns [N k, n_out]. Each expert's rows are one product, the kernel that many rows take alone:
-    from gemm_rows rows (0: never; exact numerics, AVX-512 builds) the GEMM, as `qgemm`, else the
-    row kernels, as `qmatmul`; trailing rows of zeros are zeros, not computed."""
+    from gemm_rows rows (0: never; f32 activations only, AVX-512 builds: the kernel takes the row
+    kernels otherwise) the GEMM, as `qgemm`, else the row kernels, as `qmatmul`; trailing rows of
+    zeros are zeros, not computed."""
     if w.blocks.ndim != 3 or base_type(w.qtype) != w.qtype:
         raise ValueError("expert_qmatmul takes stacked experts' blocks [X, n_out, row bytes], untiled")
     if w.qtype not in BLOCK_BYTES and w.qtype not in K_TYPES:
@@ -245,7 +246,7 @@ def expert_qmatmul(x: jax.Array, experts: jax.Array, w: QMatrix, int8_activation
     n, k = experts.shape
     call = jax.ffi.ffi_call("pantheon_expert_matmul", jax.ShapeDtypeStruct((n * k, w.blocks.shape[1]), jnp.float32))
     return call(x.astype(jnp.float32), experts.astype(jnp.int32), w.blocks, qtype=np.int64(w.qtype),
-                int8_activations=np.int64(int8_activations), gemm_rows=np.int64(0 if int8_activations else gemm_rows))
+                int8_activations=np.int64(int8_activations), gemm_rows=np.int64(gemm_rows))
 
 
 def expert_qmatmul_reference(x: jax.Array, experts: jax.Array, w: QMatrix, int8_activations: bool = False) -> jax.Array:

@@ -247,14 +247,19 @@ def test_a_mistral_window_slides_in_every_layer_and_others_are_ignored_as_llama_
         assert (spec.ctx_train, spec.swa_window, spec.swa_layers) == (256, 0, ())
 
 
+def q4k_moe(tmp_path):
+    """A tiny qwen3moe with Q4_K experts (4 of 256, top 2, QK-norm)."""
+    return write_tiny_llama(tmp_path / "moe.gguf", arch="qwen3moe", weight_type=Q.Q4_K, qk_norm=True, head_dim=64,
+                            n_expert=4, n_expert_used=2, n_ff_exp=256, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+
+
 def test_routed_experts_stay_in_their_blocks(tmp_path):
     """A qwen3moe file's Q4_K experts are held as the file's blocks (one QMatrix [X, out, row bytes]
     per role, read by the native kernel), never as an f32 copy; admission counts those bytes."""
     from pantheon.engine.pool import estimate_device_bytes
     from pantheon.native.qmatmul import QMatrix
 
-    path = write_tiny_llama(tmp_path / "moe.gguf", arch="qwen3moe", weight_type=Q.Q4_K, qk_norm=True, head_dim=64,
-                            n_expert=4, n_expert_used=2, n_ff_exp=256, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+    path = q4k_moe(tmp_path)
     g = open_gguf(path)
     spec = spec_from_gguf(g)
     layer = load_params(g, spec, numerics=numerics_for(g, spec, "exact"))["layers"][0]
@@ -278,8 +283,7 @@ def test_routed_experts_are_read_in_place(tmp_path, mode):
     from functools import partial
     from pantheon.model.layers import expert, grouped_experts, swiglu
 
-    path = write_tiny_llama(tmp_path / "moe.gguf", arch="qwen3moe", weight_type=Q.Q4_K, qk_norm=True, head_dim=64,
-                            n_expert=4, n_expert_used=2, n_ff_exp=256, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+    path = q4k_moe(tmp_path)
     g = open_gguf(path)
     spec = spec_from_gguf(g)
     numerics = numerics_for(g, spec, mode)
@@ -309,8 +313,7 @@ def test_tall_exact_expert_blocks_take_xlas_gemm_without_the_native_one(tmp_path
     from functools import partial
     from pantheon.model import layers
 
-    path = write_tiny_llama(tmp_path / "moe.gguf", arch="qwen3moe", weight_type=Q.Q4_K, qk_norm=True, head_dim=64,
-                            n_expert=4, n_expert_used=2, n_ff_exp=256, n_embd=256, n_ff=256, n_head=4, n_head_kv=2)
+    path = q4k_moe(tmp_path)
     g = open_gguf(path)
     spec = spec_from_gguf(g)
     layer = load_params(g, spec, numerics=numerics_for(g, spec, "exact"))["layers"][0]
