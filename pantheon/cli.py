@@ -141,7 +141,9 @@ def _bench_http(args) -> int:
             httpbench.run_level(u, 1, 8, bias, first_prompt=999)
         warm = {name: httpbench.memory_of(pid) for name, pid in pids.items()}
         _phase(f"measuring {', '.join(servers)} ({args.runs} runs per level, alternating)...")
+        bandwidth = {"before": httpbench.memory_read_gbs()}
         results = httpbench.compare(servers, levels, args.decode_tokens, bias, runs=args.runs)
+        bandwidth["after"] = httpbench.memory_read_gbs()
         long = httpbench.long_prompts(servers, args.long_prompt_words, bias, runs=args.runs) if args.long_prompt_words \
             else {name: httpbench.LongPromptResult(0, float("nan")) for name in servers}
         end = {name: httpbench.memory_of(pid) for name, pid in pids.items()}
@@ -150,7 +152,10 @@ def _bench_http(args) -> int:
         else:
             print(httpbench.table(results["pantheon"]))
         print(httpbench.server_table(list(servers), long, warm, end))
+        print(f"this machine's memory read bandwidth ({bandwidth['before']['threads']} threads): "
+              f"{bandwidth['before']['gb_per_s']} GB/s before the levels, {bandwidth['after']['gb_per_s']} after")
         out = json.loads(httpbench.as_json(results["pantheon"], results.get("other")))
+        out["memory_read_gbs"] = bandwidth
         out["servers"] = {name: {"long_prompt": {"prompt_tokens": long[name].prompt_tokens, "ttft_ms": long[name].ttft_ms},
                                  "memory_after_warmup": warm[name], "memory_at_end": end[name]} for name in servers}
         print(json.dumps(out))

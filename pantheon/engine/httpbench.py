@@ -3,7 +3,8 @@ first token per concurrency level, measured over HTTP (streaming) as clients see
 server, or against Pantheon and another OpenAI-compatible server (e.g. llama-server) in alternation,
 with the ratios. Beside the levels: the time to first token of one long (~1500-token) prompt, and
 each local server's resident memory after warm-up and at its peak (`/proc/PID/status`, the process
-found by the port it listens on).
+found by the port it listens on), and this machine's memory read bandwidth before and after the
+levels (`memory_read_gbs`).
 
 Every client streams a distinct prompt with the end-of-generation tokens banned by `logit_bias`, so
 each request decodes exactly the asked number of tokens on either server; a level is run `runs`
@@ -20,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import httpx
+import numpy as np
 
 TOPICS = ("a lighthouse keeper who finds a message in a bottle", "a cartographer mapping a city that moves",
           "two rival bakers in a mountain village", "a robot learning to garden", "a violinist who loses her hearing",
@@ -220,6 +222,26 @@ def memory_of(pid: int | None) -> dict[str, float]:
         return {}
 
 
+def memory_read_gbs(mib: int = 512, passes: int = 3) -> dict[str, float]:
+    """This machine's memory read bandwidth now: one thread per usable core reading its share of a
+    fresh `mib` MiB array (numpy's reductions release the GIL), the best of `passes`. Decode streams
+    every weight once a token, and a VM's bandwidth can move by 2x between minutes, so the bench
+    reads it before and after the levels: a ratio from runs minutes apart is read beside it."""
+    threads = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    data = np.ones((mib << 20) // 8, np.int64)  # written once: every page is resident before timing
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(passes):
+        workers = [threading.Thread(target=np.bitwise_xor.reduce, args=(part,)) for part in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, data.nbytes / (time.perf_counter() - t0) / 1e9)
+    return {"gb_per_s": round(best, 1), "threads": threads}
+
+
 def median_run(runs: list[LevelResult]) -> LevelResult:
     """The run with the median aggregate throughput (its TTFTs come with it)."""
     return sorted(runs, key=lambda r: r.aggregate_tok_s)[len(runs) // 2]
@@ -287,11 +309,14 @@ def table(results: list[LevelResult]) -> str:
 
 
 def comparison_table(ours: list[LevelResult], theirs: list[LevelResult], name: str = "other") -> str:
-    """Side by side: aggregate tok/s and TTFT p50 of both, and the ratios (ours / theirs)."""
-    head = (f"{'clients':>7}  {'pantheon tok/s':>14}  {name + ' tok/s':>16}  {'ratio':>5}  "
+    """Side by side: aggregate tok/s and TTFT p50 of both, and the ratios (ours / theirs). The
+    stream ratio is of the per-stream rates after each first token (decode alone: at one client
+    the aggregate also carries the prompt's time)."""
+    head = (f"{'clients':>7}  {'pantheon tok/s':>14}  {name + ' tok/s':>16}  {'ratio':>5}  {'stream ratio':>12}  "
             f"{'TTFT pantheon':>13}  {'TTFT ' + name:>13}  {'TTFT ratio':>10}")
     rows = [f"{a.concurrency:>7}  {a.aggregate_tok_s:>14.1f}  {b.aggregate_tok_s:>16.1f}  "
-            f"{a.aggregate_tok_s / max(b.aggregate_tok_s, 1e-9):>5.2f}  {a.ttft_p50_ms / 1000:>12.2f}s  "
+            f"{a.aggregate_tok_s / max(b.aggregate_tok_s, 1e-9):>5.2f}  "
+            f"{a.per_stream_tok_s / max(b.per_stream_tok_s, 1e-9):>12.2f}  {a.ttft_p50_ms / 1000:>12.2f}s  "
             f"{b.ttft_p50_ms / 1000:>12.2f}s  {a.ttft_p50_ms / max(b.ttft_p50_ms, 1e-9):>10.2f}"
             for a, b in zip(ours, theirs)]
     return "\n".join([head, *rows])
@@ -302,5 +327,6 @@ def as_json(results: list[LevelResult], against: list[LevelResult] | None = None
     if against is not None:
         out["against"] = [asdict(r) for r in against]
         out["ratios"] = [{"concurrency": a.concurrency, "aggregate": a.aggregate_tok_s / max(b.aggregate_tok_s, 1e-9),
+                          "per_stream": a.per_stream_tok_s / max(b.per_stream_tok_s, 1e-9),
                           "ttft_p50": a.ttft_p50_ms / max(b.ttft_p50_ms, 1e-9)} for a, b in zip(results, against)]
     return json.dumps(out)

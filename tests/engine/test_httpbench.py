@@ -67,10 +67,13 @@ def test_compare_alternates_servers_with_distinct_prompts_and_reports_ratios(ser
     assert sorted(measured) == sorted(b["messages"][0]["content"] for b in slow_seen if b["max_tokens"] == 10)
     assert all(b["logit_bias"] == bias and b["stream"] for b in fast_seen + slow_seen)
     text = httpbench.comparison_table(ours, theirs, "llama-server")
-    assert "llama-server tok/s" in text and len(text.splitlines()) == 3
+    assert "llama-server tok/s" in text and "stream ratio" in text and len(text.splitlines()) == 3
     ratios = json.loads(httpbench.as_json(ours, theirs))["ratios"]
     assert [round(r["aggregate"], 6) for r in ratios] == [round(a.aggregate_tok_s / b.aggregate_tok_s, 6)
                                                            for a, b in zip(ours, theirs)]
+    assert [round(r["per_stream"], 6) for r in ratios] == [round(a.per_stream_tok_s / b.per_stream_tok_s, 6)
+                                                            for a, b in zip(ours, theirs)]
+    assert all(f"{r['per_stream']:.2f}" in line for r, line in zip(ratios, text.splitlines()[1:]))
     assert all(r["aggregate"] > 1 for r in ratios)
 
 
@@ -102,3 +105,13 @@ def test_long_prompt_ttft_and_each_local_servers_memory(servers):
     lines = text.splitlines()
     assert len(lines) == 4 and lines[-1].split()[0] == "ratio"
     assert lines[-1].split()[3] == "1.00"  # RSS at the end: the same process's
+
+
+def test_memory_read_bandwidth_probe():
+    """The bench's bandwidth reading: one thread per usable core, a positive finite rate."""
+    import math
+    import os
+
+    got = httpbench.memory_read_gbs(mib=16, passes=2)
+    assert got["threads"] == len(os.sched_getaffinity(0))
+    assert math.isfinite(got["gb_per_s"]) and got["gb_per_s"] > 0
