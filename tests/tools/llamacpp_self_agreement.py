@@ -2,7 +2,7 @@
 """How often llama.cpp agrees with itself on the real Gemma 3 270M: the noise floor under the
 teacher-forced top-1 agreement tests/model/test_gemma3_270m.py measures for Pantheon. Run by hand:
 
-    .venv/bin/python tests/tools/llamacpp_self_agreement.py --llama-server /var/tmp/llama-server/build/bin/llama-server
+    .venv/bin/python tests/tools/llamacpp_self_agreement.py --llama-server /var/tmp/llama-server/build/bin/llama-server [--config f32]
 
 tests/data/llamacpp/gemma3_270m.json holds llama.cpp's top-1 at every step of sequences it sampled,
 each step a one-token decode (its flash attention's single-row path: the query rounded to f16 and
@@ -24,19 +24,19 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.tools.make_gemma3_refs import gemma_server  # noqa: E402
-
-REF = ROOT / "tests" / "data" / "llamacpp" / "gemma3_270m.json"
+from tests.tools.make_gemma3_refs import CONFIGS, gemma_server  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--config", choices=CONFIGS, default="default", help="which recording (make_gemma3_refs.py)")
     args = ap.parse_args(argv)
-    ref = json.loads(REF.read_text())
+    extra, ref_path = CONFIGS[args.config]
+    ref = json.loads(ref_path.read_text())
     same = total = long_same = long_total = 0
     missed = []
-    with gemma_server(args.llama_server) as url:  # the recording's server, as it recorded
+    with gemma_server(args.llama_server, extra) as url:  # the recording's server, as it recorded
         for seq in ref["sequences"]:
             ids = seq["prompt"] + seq["sampled"]
             for i, (top1, margin) in enumerate(zip(seq["top1"], seq["margin"])):

@@ -4,6 +4,11 @@ tests/data/llamacpp/gemma3_270m.json; tests/model/test_gemma3_270m.py compares P
 by hand when llama.cpp changes:
 
     .venv/bin/python tests/tools/make_gemma3_refs.py --llama-server /var/tmp/llama-server/build/bin/llama-server
+    .venv/bin/python tests/tools/make_gemma3_refs.py --llama-server ... --config f32
+
+The default configuration is llama-server's own (flash attention, f16 KV) into gemma3_270m.json;
+`--config f32` its most precise one (`-fa off -ctk f32 -ctv f32`: f32 KV, the plain attention)
+into gemma3_270m_f32kv.json, the sequences only.
 
 Recorded: the token ids of hard strings (`/tokenize`, special tokens parsed, no BOS), and sampled
 continuations of several prompts (temperature 1, a fixed seed, top-k 40) with llama.cpp's own top-2
@@ -27,7 +32,10 @@ sys.path.insert(0, str(ROOT))
 from pantheon.default_model import GEMMA3_SHA256, gemma3_270m_path  # noqa: E402
 from tests.tools.make_llamacpp_refs import free_port, wait_healthy  # noqa: E402
 
-OUT = ROOT / "tests" / "data" / "llamacpp" / "gemma3_270m.json"
+DATA = ROOT / "tests" / "data" / "llamacpp"
+# configuration -> (llama-server's extra arguments, the file it is recorded into)
+CONFIGS = {"default": ((), DATA / "gemma3_270m.json"),
+           "f32": (("-fa", "off", "-ctk", "f32", "-ctv", "f32"), DATA / "gemma3_270m_f32kv.json")}
 HARD = ["Hello world", " leading space", "trailing space ", "  two  spaces\tand\ttabs\n\nnewlines\n",
         "naïve café résumé", "日本語のテキスト", "中文字符测试", "한국어 문장", "Привет, мир!", "مرحبا بالعالم",
         "emoji 🤗🚀👍🏽 and 🇫🇷", "def f(x):\n    return x ** 2  # square", "{\"key\": [1, 2.5, -3e10, null]}",
@@ -41,11 +49,11 @@ STEPS = 100
 
 
 @contextmanager
-def gemma_server(llama_server: str):
-    """llama-server on the Gemma 3 270M file (one slot of 2048 tokens, 2 threads): its URL."""
+def gemma_server(llama_server: str, extra: tuple[str, ...] = ()):
+    """llama-server on the Gemma 3 270M file (one slot of 2048 tokens, 2 threads, `extra`): its URL."""
     port = free_port()
     proc = subprocess.Popen([llama_server, "-m", str(gemma3_270m_path()), "--host", "127.0.0.1", "--port", str(port),
-                             "-c", "2048", "-np", "1", "-t", "2", "-tb", "2", "--no-warmup"],
+                             "-c", "2048", "-np", "1", "-t", "2", "-tb", "2", "--no-warmup", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -59,16 +67,19 @@ def gemma_server(llama_server: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--config", choices=CONFIGS, default="default")
     args = ap.parse_args(argv)
+    extra, out_path = CONFIGS[args.config]
     path = gemma3_270m_path()
-    with gemma_server(args.llama_server) as url:
+    with gemma_server(args.llama_server, extra) as url:
         out = {"model": path.name, "gguf_sha256": GEMMA3_SHA256,
                "llama_cpp": httpx.get(url + "/props", timeout=10).json().get("build_info", "unknown"),
-               "tokenize": [], "sequences": []}
-        for text in HARD:
-            ids = httpx.post(url + "/tokenize", json={"content": text, "add_special": False,
-                                                      "parse_special": True}).json()["tokens"]
-            out["tokenize"].append({"text": text, "ids": ids})
+               "llama_server_args": list(extra), "tokenize": [], "sequences": []}
+        if args.config == "default":  # tokenization does not depend on the configuration
+            for text in HARD:
+                ids = httpx.post(url + "/tokenize", json={"content": text, "add_special": False,
+                                                          "parse_special": True}).json()["tokens"]
+                out["tokenize"].append({"text": text, "ids": ids})
         for i, prompt in enumerate(PROMPTS):
             ids = httpx.post(url + "/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
             r = httpx.post(url + "/completion", timeout=300, json={
@@ -80,8 +91,8 @@ def main(argv=None) -> int:
                 "prompt": ids, "sampled": [s["id"] for s in steps],
                 "top1": [s["top_logprobs"][0]["id"] for s in steps],
                 "margin": [round(s["top_logprobs"][0]["logprob"] - s["top_logprobs"][1]["logprob"], 4) for s in steps]})
-        OUT.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n")
-        print(f"{len(out['tokenize'])} strings, {sum(len(s['sampled']) for s in out['sequences'])} steps -> {OUT}")
+        out_path.write_text(json.dumps(out, ensure_ascii=False, separators=(",", ":")) + "\n")
+        print(f"{len(out['tokenize'])} strings, {sum(len(s['sampled']) for s in out['sequences'])} steps -> {out_path}")
     return 0
 
 
