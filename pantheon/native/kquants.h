@@ -59,7 +59,7 @@ constexpr bool is_tiled(int64_t t) { return is_q_k(t - kTiled); }
 // Columns a row tile of x runs over before the next row tile (common.h: blocked_columns), so the
 // tile stays in L1 while the block's weights wait in L2 (32 columns of 2048 Q4_K weights are 37
 // KB). The fixed-point kernels (x's planes, 3 bytes a weight: 24 KB for 4 rows of 2048; Q6_K's
-// products and Q4_K/Q5_K's under kGemmRows rows), an 8192 x 2048 product at 8 / 16 / 32 rows,
+// products under gemm_rows rows), an 8192 x 2048 product at 8 / 16 / 32 rows,
 // column by column -> in blocks: Q4_K 0.34 / 0.30 / 0.32 -> 0.21 / 0.24 / 0.29 ms a row, Q6_K 0.33
 // / 0.31 / 0.31 -> 0.26 / 0.25 / 0.27 (two Zen 4 threads). The f32 kernels (x as f32, 32 KB for 4
 // rows of 2048): IQ4_XS 8192 x 2048 at 16 / 32 / 48 rows 3.7 / 7.9 / 12.0 -> 2.1 / 4.4 / 6.5 ms, Q5_0
@@ -822,8 +822,14 @@ inline void fixed_gemm16(const FixedRows& xf, const float* xsum, const DecodedK1
   for (int64_t i = 0; i < R * C; ++i) st[i].acc = acc[i];
 }
 
-// From this many rows fixed_columns takes the GEMM (Q4_K, Q5_K, Q6_K).
-constexpr int64_t kGemmRows = 8;
+// From how many rows fixed_columns takes the GEMM. Measured cold (products streamed from memory, as
+// in a decode step or a prefill chunk; two Zen 5 threads, the decoding prefetched), GEMM against
+// row tiles: K-tiled (long rows) at 8 rows Q6_K 2048 x 8192 1.26 / 1.64 ms, Q4_K 1.14 / 1.39; rows of
+// 2048, Q4_K 16384 x 2048 at 8 / 12 / 16 rows 1.80 / 2.45 / 3.24 against 1.70 / 2.62 / 3.31, Q6_K
+// 49152 x 2048 at 8 / 12 / 16 / 24 / 32 rows 7.2 / 10.1 / 12.7 / 18.0 / 23.2 against 6.2 / 9.3 /
+// 11.9 / 18.0 / 23.6. (All at 8 before: a batch of 8 decoding streams ran the 1 B's step at 88 ms
+// against 34 for 4, the decoding unprefetched.)
+constexpr int64_t gemm_rows(bool sub16, bool tiled) { return tiled ? 8 : sub16 ? 24 : 12; }
 constexpr int64_t kGemmBlock = 32;  // columns decoded at once: 32 x 8 super-blocks (K 2048) in 96 KB
 
 
@@ -845,7 +851,7 @@ void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, boo
     const float mins = sub16 ? term_scale(t) * k_hsum(a.macc) : hsum((v8f)_mm512_castps512_ps256(a.macc));
     y[m * N + n] = (k_hsum(a.acc) - mins) * xf.row_scale[m];
   };
-  if (M >= kGemmRows) {
+  if (M >= gemm_rows(sub16, tiled)) {
     using Decoded = std::conditional_t<sub16, DecodedK16, DecodedK4>;
     std::unique_ptr<Decoded[]> dec(new Decoded[kGemmBlock * nsb]);
     for (int64_t b0 = n0; b0 < n1; b0 += kGemmBlock) {
@@ -853,6 +859,7 @@ void fixed_columns(const FixedRows& xf, const float* xsum, const uint8_t* w, boo
       for (int64_t n = b0; n < b1; ++n)
         for (int64_t j = 0; j < nsb; ++j) {
           const uint8_t* b = w + block_offset(tiled, n, j, N, nsb, bb);
+          prefetch_block<bb>(b);
           if constexpr (sub16) decode_k16<t>(b, dec[(n - b0) * nsb + j]);
           else decode_k4<t>(b, dec[(n - b0) * nsb + j]);
         }

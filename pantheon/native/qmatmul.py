@@ -45,7 +45,7 @@ LARGE_MATRIX = 1 << 22
 # 5.3 / 7.0 against 4.0 / 4.9 / 6.2 ms (2048 x 8192 K-tiled 3.8 / 5.6 against 4.1 / 5.0), so Q2_K,
 # Q3_K and Q6_K from 32 rows ...
 FIXED_KERNEL_ROWS = 32
-# ... Q4_K/Q5_K, whose products from 8 rows run as a GEMM over columns decoded once (kquants.h:
+# ... Q4_K/Q5_K, whose products from 12 rows (8 K-tiled) run as a GEMM over columns decoded once (kquants.h:
 # fixed_gemm32), from 128: 128 / 192 / 256 rows 9.7 / 14.7 / 19.7 against 10.5 / 14.2 / 18.7 ms
 # (2048 x 2048 at 128 / 192: 2.5 / 3.8 against 2.6 / 3.6) ...
 GEMM_KERNEL_ROWS, GEMM_TYPES = 128, frozenset({Q4_K, Q5_K})

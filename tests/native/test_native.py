@@ -137,10 +137,11 @@ def test_trailing_rows_of_zeros_are_zero_and_the_rest_unchanged(qtype):
 
 @pytest.mark.parametrize("qtype", (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1), ids=lambda t: t.name)
 def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
-    """From 8 rows the fixed-point kernel multiplies Q2_K-Q6_K as a GEMM over columns decoded once
-    (kquants.h: fixed_gemm32, fixed_gemm16; 2-row x 4-column tiles): every row of a 19-row product
-    equals that row's product alone bit for bit (an odd last row, 70 columns that do not fill the
-    tiles), row major and K-tiled, and holds f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
+    """From kquants.h's gemm_rows (12 rows for Q4_K/Q5_K, 24 for Q2_K/Q3_K/Q6_K, 8 K-tiled) the
+    fixed-point kernel multiplies as a GEMM over columns decoded once (fixed_gemm32, fixed_gemm16;
+    2-row x 4-column tiles): every row of a 27-row product equals that row's product alone bit for
+    bit (an odd last row, 70 columns that do not fill the tiles), row major and K-tiled, and holds
+    f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
     of 256 weights go the same way, eight blocks as one super-block (kquants.h: fixed_group), and
     other lengths (576) through the f32 kernel. Elsewhere the same holds for the row tiles every
     CPU runs."""
@@ -151,10 +152,10 @@ def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
             continue  # only the AVX-512 VNNI kernel reads K tiles
         w, dense = random_matrix(rng, 70, n_in, qtype)
         w = tile_k(w) if tiled else w
-        x = rng.standard_normal((19, n_in)).astype(np.float32)
+        x = rng.standard_normal((27, n_in)).astype(np.float32)
         f = jax.jit(qmatmul)
         full = np.asarray(f(jnp.asarray(x), w))
-        for m in range(19):
+        for m in range(27):
             np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[m:m + 1]), w))[0], full[m])
         exact = x.astype(np.float64) @ dense.T.astype(np.float64)
         assert np.abs(full - exact).max() <= 2e-6 * np.abs(exact).max() * np.sqrt(n_in / 32)
