@@ -935,26 +935,41 @@ inline void ktile(const float* x, const float* xsum, const uint8_t* wrow, float*
   for (int64_t r = 0; r < R; ++r) acc[r] = k_set1(0.f);
   float macc[R] = {};
   SuperBlock sb;
-  // Codes converted once for the tile's rows; a single 8-wide row converts as it multiplies (32
-  // converted vectors would not fit AVX2's 16 registers).
-  constexpr bool convert_first = R > 1 || kW == 16;
-  vkf c[nv];
+  // A sub-block's codes converted once for the tile's rows, in registers (a whole super-block's 32
+  // converted vectors went through the stack on AVX2's 16 registers: 16384 x 2048 cold on AVX2, two
+  // / four rows, Q4_K 2.39 / 3.62 -> 1.32-1.41 / 1.98 ms, Q5_K four 3.69 -> 2.09, Q3_K 4.34 -> 2.13;
+  // one row Q2_K 1.72 -> 1.18, Q3_K 2.01 -> 1.78, Q5_K 1.22 -> 1.07; the AVX2 1 B Q4_K_M decode step
+  // at 2 / 4 / 8 rows 78-83 / 119-125 / 241-245 -> 53-54 / 78 / 152-157 ms). One row of Q6_K
+  // converts each code vector as it multiplies, as every one-row tile did: 1.38 ms that way here,
+  // 1.50 the other, 1.26 in the kernel before (the compiler's code for it moved with the change; the
+  // one-row step 37-38 -> 39-40 ms). Each row's sums run in the same order whatever R.
   for (int64_t j = 0; j < nsb; ++j) {
     prefetch_block<bb>(wrow + j * bb);
     codes_k<t>(wrow + j * bb, sb);
-    if constexpr (convert_first)
-      for (int v = 0; v < nv; ++v) c[v] = k_codes(sb, v);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xr = x + (m0 + r) * K + j * 256;
+    if constexpr (R == 1 && t == kQ6_K) {
+      const float* xr = x + m0 * K + j * 256;
       for (int s = 0; s < nv / per_sub; ++s) {
         const int v0 = s * per_sub;
-        const auto code = [&](int v) { return convert_first ? c[v] : k_codes(sb, v); };
-        vkf dot = k_mul(code(v0), k_load(xr + kW * v0));
-        for (int v = v0 + 1; v < v0 + per_sub; ++v) dot = k_fma(code(v), k_load(xr + kW * v), dot);
-        acc[r] = k_fma(dot, k_set1(sb.scale[s]), acc[r]);
+        vkf dot = k_mul(k_codes(sb, v0), k_load(xr + kW * v0));
+        for (int v = v0 + 1; v < v0 + per_sub; ++v) dot = k_fma(k_codes(sb, v), k_load(xr + kW * v), dot);
+        acc[0] = k_fma(dot, k_set1(sb.scale[s]), acc[0]);
       }
-      if constexpr (has_k_min(t)) {
-        constexpr int subs = static_cast<int>(256 / k_sub(t));
+    } else {
+      for (int s = 0; s < nv / per_sub; ++s) {
+        const int v0 = s * per_sub;
+        vkf c[per_sub];
+        for (int i = 0; i < per_sub; ++i) c[i] = k_codes(sb, v0 + i);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* xr = x + (m0 + r) * K + j * 256;
+          vkf dot = k_mul(c[0], k_load(xr + kW * v0));
+          for (int i = 1; i < per_sub; ++i) dot = k_fma(c[i], k_load(xr + kW * (v0 + i)), dot);
+          acc[r] = k_fma(dot, k_set1(sb.scale[s]), acc[r]);
+        }
+      }
+    }
+    if constexpr (has_k_min(t)) {
+      constexpr int subs = static_cast<int>(256 / k_sub(t));
+      for (int64_t r = 0; r < R; ++r) {
         const float* xs = xsum + (m0 + r) * (K / k_sub(t)) + j * subs;
         for (int s = 0; s < subs; ++s) macc[r] += sb.min[s] * xs[s];
       }
