@@ -58,7 +58,7 @@ constexpr bool is_tiled(int64_t t) { return is_q_k(t - kTiled); }
 
 // Columns a row tile of x runs over before the next row tile (common.h: blocked_columns), so the
 // tile stays in L1 while the block's weights wait in L2 (32 columns of 2048 Q4_K weights are 37
-// KB). The fixed-point kernels (x's planes, 3 bytes a weight: 24 KB for 4 rows of 2048; Q6_K's
+// KB). The fixed-point kernels (x's planes, 3 bytes a weight: 24 KB for 4 rows of 2048; their
 // products under gemm_rows rows), an 8192 x 2048 product at 8 / 16 / 32 rows,
 // column by column -> in blocks: Q4_K 0.34 / 0.30 / 0.32 -> 0.21 / 0.24 / 0.29 ms a row, Q6_K 0.33
 // / 0.31 / 0.31 -> 0.26 / 0.25 / 0.27 (two Zen 4 threads). The f32 kernels (x as f32, 32 KB for 4
