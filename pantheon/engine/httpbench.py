@@ -227,7 +227,7 @@ def memory_read_gbs(mib: int = 512, passes: int = 3) -> dict[str, float]:
     fresh `mib` MiB array (numpy's reductions release the GIL), the best of `passes`. Decode streams
     every weight once a token, and a VM's bandwidth can move by 2x between minutes, so the bench
     reads it before and after the levels: a ratio from runs minutes apart is read beside it."""
-    threads = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     data = np.ones((mib << 20) // 8, np.int64)  # written once: every page is resident before timing
     parts = np.array_split(data, threads)
     best = 0.0

@@ -17,10 +17,11 @@ above that floor. Against llama.cpp's most precise configuration (`-fa off -ctk 
 same prompts and seeds: tests/data/llamacpp/gemma3_270m_f32kv.json) `exact` numerics with an f32
 cache agree on 387/400 = 96.75 %, every miss at a margin below 0.2, where that llama-server re-reading
 its own sequences agrees on 382/400 = 95.5 % (the same near-ties, margins up to 0.2). The bounds
-here are the measured figures less one or two steps of slack for other CPU kinds. (This architecture on the file requantized to F32, 1 GB, not in CI, matches llama.cpp's
-log-probs within 1.1e-3: in the quantized file every matrix product rounds its input to 8 bits, and
-f32 differences at that level decide some of those roundings, which moves the quantized log-probs
-by up to 0.1-0.4.)"""
+here are the measured figures less one or two steps of slack for other CPU kinds. (This architecture
+on the file requantized to F32, 1 GB, not in CI, matches llama.cpp's log-probs within 1.1e-3: in the
+quantized file every matrix product rounds its input to 8 bits, and f32 differences at that level
+decide some of those roundings, which moves the quantized log-probs by up to 0.1-0.4.)
+"""
 
 from __future__ import annotations
 
