@@ -143,10 +143,12 @@ def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
     bit (an odd last row, 70 columns that do not fill the tiles), row major and K-tiled, and holds
     f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
     of 256 weights go the same way, eight blocks as one super-block (kquants.h: fixed_group), and
-    other lengths (576) through the f32 kernel. Elsewhere the same holds for the row tiles every
-    CPU runs."""
+    other lengths (576) through the f32 kernel; long ones (4096) held row major go in K tiles from
+    the rows whose planes outgrow L1 (3 here) and take the GEMM from 8: so every batch of 1 to 27
+    rows is checked against the 27. Elsewhere the same holds for the row tiles every CPU runs."""
     rng = np.random.default_rng()
-    shapes = ((512, False), (4096, True)) if qtype in K_QTYPES else ((512, False), (576, False), (2048, False))
+    shapes = (((512, False), (4096, True)) if qtype in K_QTYPES else
+              ((512, False), (576, False), (2048, False), (4096, False)))
     for n_in, tiled in shapes:
         if tiled and not build.fixed_point():
             continue  # only the AVX-512 VNNI kernel reads K tiles
@@ -157,6 +159,8 @@ def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
         full = np.asarray(f(jnp.asarray(x), w))
         for m in range(27):
             np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[m:m + 1]), w))[0], full[m])
+        for m in (2, 3, 4, 5, 7, 8, 13):  # each mode and threshold: the row tiles, K tiles, the GEMM
+            np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[:m]), w)), full[:m])
         exact = x.astype(np.float64) @ dense.T.astype(np.float64)
         assert np.abs(full - exact).max() <= 2e-6 * np.abs(exact).max() * np.sqrt(n_in / 32)
 
