@@ -247,11 +247,18 @@ def median_run(runs: list[LevelResult]) -> LevelResult:
     return sorted(runs, key=lambda r: r.aggregate_tok_s)[len(runs) // 2]
 
 
+def run_order(servers: dict[str, str], run: int) -> list[tuple[str, str]]:
+    """The servers in the order run `run` measures them: as given on even runs, reversed on odd ones."""
+    order = list(servers.items())
+    return order if run % 2 == 0 else order[::-1]
+
+
 def compare(servers: dict[str, str], levels: list[int], max_tokens: int, logit_bias: dict, runs: int = 3,
             models: dict[str, str | None] | None = None) -> dict[str, list[LevelResult]]:
     """{server name: url} -> {server name: [median LevelResult per level]}. Each level: one short
-    warm-up per server, then `runs` measured runs, the servers alternating run by run (so drift of the
-    machine hits both alike); distinct prompts in every run."""
+    warm-up per server, then `runs` measured runs, the servers alternating run by run and which goes
+    first alternating too (A B, B A, ...: a machine whose memory bandwidth drifts within a level hits
+    both alike, not the second server always later); distinct prompts in every run."""
     models = models or {}
     out: dict[str, list[LevelResult]] = {name: [] for name in servers}
     prompt = 0
@@ -260,8 +267,8 @@ def compare(servers: dict[str, str], levels: list[int], max_tokens: int, logit_b
             run_level(url, level, 8, logit_bias, models.get(name), first_prompt=prompt)
         prompt += level
         measured: dict[str, list[LevelResult]] = {name: [] for name in servers}
-        for _ in range(runs):
-            for name, url in servers.items():
+        for run in range(runs):
+            for name, url in run_order(servers, run):
                 measured[name].append(run_level(url, level, max_tokens, logit_bias, models.get(name),
                                                 first_prompt=prompt))
             prompt += level
@@ -272,11 +279,12 @@ def compare(servers: dict[str, str], levels: list[int], max_tokens: int, logit_b
 
 def long_prompts(servers: dict[str, str], n_words: int, logit_bias: dict, runs: int = 3,
                  models: dict[str, str | None] | None = None, first: int = 1000) -> dict[str, LongPromptResult]:
-    """{server name: the median of `runs` long-prompt TTFTs}, servers alternating, a distinct prompt each."""
+    """{server name: the median of `runs` long-prompt TTFTs}, servers alternating as in `compare`, a
+    distinct prompt each."""
     models = models or {}
     got: dict[str, list[LongPromptResult]] = {name: [] for name in servers}
     for r in range(runs):
-        for i, (name, url) in enumerate(servers.items()):
+        for i, (name, url) in enumerate(run_order(servers, r)):
             got[name].append(long_prompt_ttft(url, n_words, logit_bias, models.get(name), first + r * len(servers) + i))
     return {name: sorted(rs, key=lambda x: x.ttft_ms)[len(rs) // 2] for name, rs in got.items()}
 

@@ -23,6 +23,7 @@ def fake_server(delay_s: float, usage: bool):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body["received"] = time.perf_counter()
             seen.append(body)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -75,6 +76,13 @@ def test_compare_alternates_servers_with_distinct_prompts_and_reports_ratios(ser
                                                             for a, b in zip(ours, theirs)]
     assert all(f"{r['per_stream']:.2f}" in line for r, line in zip(ratios, text.splitlines()[1:]))
     assert all(r["aggregate"] > 1 for r in ratios)
+    # the runs alternate which server goes first (A B, B A, A B): drift within a level hits both
+    for level in (1, 2):
+        fast_t = [b["received"] for b in fast_seen if b["max_tokens"] == 10][3 * (level - 1):][:3 * level]
+        slow_t = [b["received"] for b in slow_seen if b["max_tokens"] == 10][3 * (level - 1):][:3 * level]
+        firsts = [min(fast_t[i * level:(i + 1) * level]) < min(slow_t[i * level:(i + 1) * level]) for i in range(3)]
+        assert firsts == [True, False, True]
+    assert httpbench.run_order({"a": "x", "b": "y"}, 1) == [("b", "y"), ("a", "x")]
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
