@@ -122,17 +122,21 @@ inline void k4_scale_bytes(const uint8_t* s12, uint8_t sc[8], uint8_t mn[8]) {
   std::memcpy(mn, &mn_lo, 4), std::memcpy(mn + 4, &mn_hi, 4);
 }
 
-// Q3_K's 16 six-bit sub-block scales (12 bytes at 96), unpacked and centred (-32..31).
+// Q3_K's 16 six-bit sub-block scales (12 bytes at 96), unpacked and centred (-32..31), in a
+// register: written as four words and read back as one vector they stall the load (no store
+// forwarding), which cost the AVX2 Q3_K row tile ~40 % of its time.
+inline __m128i q3k_scales16(const uint8_t* b) {
+  uint32_t a[3];
+  std::memcpy(a, b + 96, 12);
+  const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+  const __m128i s = _mm_setr_epi32(static_cast<int>((a[0] & k2) | ((a[2] & k1) << 4)),
+                                   static_cast<int>((a[1] & k2) | (((a[2] >> 2) & k1) << 4)),
+                                   static_cast<int>(((a[0] >> 4) & k2) | (((a[2] >> 4) & k1) << 4)),
+                                   static_cast<int>(((a[1] >> 4) & k2) | (((a[2] >> 6) & k1) << 4)));
+  return _mm_sub_epi8(s, _mm_set1_epi8(32));
+}
 inline void q3k_scales(const uint8_t* b, int8_t s[16]) {
-  uint32_t aux[4];
-  std::memcpy(aux, b + 96, 12);
-  const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
-  aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-  aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-  aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-  aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-  std::memcpy(s, aux, 16);
-  for (int k = 0; k < 16; ++k) s[k] = static_cast<int8_t>(s[k] - 32);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(s), q3k_scales16(b));
 }
 
 // A Q6_K super-block's 256 six-bit codes, unsigned (0..63, before ggml's -32), in weight order as
@@ -636,10 +640,7 @@ inline __m512 scales16(const uint8_t* b, __m512& term) {
   if constexpr (t == kQ6_K) {
     return term = q6k_scales16(b);
   } else if constexpr (t == kQ3_K) {
-    alignas(16) int8_t s[16];
-    q3k_scales(b, s);
-    return term = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 108)),
-                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s)))));
+    return term = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 108)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3k_scales16(b))));
   } else {  // Q2_K: a byte per 16, the scale in its low nibble and the min in its high one
     const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
     term = _mm512_mul_ps(_mm512_set1_ps(fp16_at(b + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)));
@@ -994,7 +995,7 @@ inline void ktile(const float* x, const float* xsum, const uint8_t* wrow, float*
 // operations (the 8-bit products llama.cpp runs there are 4-5 a 32 weights; exact f32 ones ~14 at
 // best, f32 or in integers), so every one saved counts: one thread, 2048-weight rows in L2, per 32
 // weights at one / four rows, ktile -> this: Q4_K 2.0 / 1.19 -> 1.38 / 0.91 ns; Q6_K (below) 2.59
-// / 1.56 -> 2.10 / 1.05 (two accumulators, or Q6_K's codes stored and re-read, measured slower).
+// / 1.56 -> 2.10-2.19 / 1.05-1.10 (two accumulators, or Q6_K's codes stored and re-read, slower).
 // The 1 B Q4_K_M decode step on the AVX2 library (Zen 5) at 1 / 4 / 8 rows 40.9 / 79.3 / 155.0 ->
 // 30.8 / 60.9 / 115.9 ms.
 template <int64_t R>
@@ -1037,25 +1038,75 @@ inline void q4k_ktile8(const float* x, const float* xsum, const uint8_t* wrow, f
   }
   for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) - hsum(macc[r]);
 }
-// Q6_K on AVX2 likewise: q6k_codes' unsigned codes (0..63) widened from registers, and ggml's
-// -32 of every code one term a super-block, 32 * scale * sum(x) per 16 (as the min term).
-template <int64_t R>
-inline void q6k_ktile8(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
-                       int64_t m0, int64_t n) {
+// The 16-weight sub-block types on AVX2 likewise (Q2_K, Q3_K, Q6_K): a super-block's unsigned
+// codes in registers, 32 a vector in weight order (Q6_K 0..63 and Q3_K 0..7 before ggml's -32 and
+// -4, Q2_K 0..3), widened from there; per 16 weights a scale and a term coefficient, weight =
+// scale * code - coef (Q6_K: coef = 32 scale, Q3_K: 4 scale, Q2_K: dmin * min), the terms one
+// multiply-add a super-block against x's sums per 16. Q3_K / Q2_K at one / four rows (ns per 32
+// weights, as above): 4.04-4.19 / 2.08-2.15 -> 3.34 / 1.14-1.24, 3.80-3.99 / 2.16-2.20 -> 2.06 / 1.05
+// (cold, two threads, 16384 x 2048 at one / four rows: Q3_K 1.95-2.03 / 2.52-2.56 -> 1.19 / 2.23-2.28 ms
+// with q3k_scales16; Q2_K at four 2.82-2.98 -> 2.16).
+template <int64_t t>
+inline void sub16_codes(const uint8_t* b, __m256i q[8]) {
+  if constexpr (t == kQ6_K) {
+    q6k_codes(b, q);
+  } else {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));  // Q3_K's high bits
+    for (int n = 0; n < 2; ++n) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (t == kQ3_K ? 32 : 16) + 32 * n));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), m2);
+        if constexpr (t == kQ3_K) {  // + 4 where the hmask bit is set
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * n + j)));
+          q[4 * n + j] = _mm256_or_si256(low, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
+                                                               _mm256_set1_epi8(4)));
+        } else {
+          q[4 * n + j] = low;
+        }
+      }
+    }
+  }
+}
+// Scales and term coefficients of sub-blocks 0-7 (s[0], c[0]) and 8-15 (s[1], c[1]).
+template <int64_t t>
+inline void sub16_coefs(const uint8_t* b, v8f s[2], v8f c[2]) {
+  const auto f32x8 = [](__m128i v) { return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); };
+  if constexpr (t == kQ2_K) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i scale = _mm_and_si128(sc, m4), mins = _mm_and_si128(_mm_srli_epi16(sc, 4), m4);
+    const v8f d = v8f{} + fp16_at(b + 80), dmin = v8f{} + fp16_at(b + 82);
+    s[0] = d * f32x8(scale), s[1] = d * f32x8(_mm_srli_si128(scale, 8));
+    c[0] = dmin * f32x8(mins), c[1] = dmin * f32x8(_mm_srli_si128(mins, 8));
+    return;
+  }
+  __m128i sc;
+  float d;
+  if constexpr (t == kQ3_K) {
+    sc = q3k_scales16(b), d = fp16_at(b + 108);
+  } else {
+    sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), d = fp16_at(b + 208);
+  }
+  s[0] = (v8f{} + d) * f32x8(sc), s[1] = (v8f{} + d) * f32x8(_mm_srli_si128(sc, 8));
+  const v8f off = v8f{} + (t == kQ6_K ? 32.f : 4.f);  // a power of two: an exact product
+  c[0] = off * s[0], c[1] = off * s[1];
+}
+template <int64_t t, int64_t R>
+inline void sub16_ktile8(const float* x, const float* xsum, const uint8_t* wrow, float* y, int64_t N, int64_t K,
+                         int64_t m0, int64_t n) {
+  constexpr int64_t bb = k_bytes(t);
   const int64_t nsb = K / 256;
   v8f acc[R], macc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = macc[r] = v8f{};
   for (int64_t j = 0; j < nsb; ++j) {
-    const uint8_t* b = wrow + j * 210;
-    prefetch_block<210>(b);
-    const v8f d = v8f{} + fp16_at(b + 208);
-    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const uint8_t* b = wrow + j * bb;
+    prefetch_block<bb>(b);
+    v8f sv[2], cv[2];
+    sub16_coefs<t>(b, sv, cv);
     alignas(32) float scale[16];
-    const v8f s0 = d * (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
-    const v8f s1 = d * (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
-    store8(scale, s0), store8(scale + 8, s1);
+    store8(scale, sv[0]), store8(scale + 8, sv[1]);
     __m256i q[8];
-    q6k_codes(b, q);
+    sub16_codes<t>(b, q);
     for (int v = 0; v < 8; ++v) {  // weights 32 v .. 32 v + 31: sub-blocks 2 v, 2 v + 1
       const __m128i lo = _mm256_castsi256_si128(q[v]), hi = _mm256_extracti128_si256(q[v], 1);
       v8f c[4];
@@ -1071,12 +1122,12 @@ inline void q6k_ktile8(const float* x, const float* xsum, const uint8_t* wrow, f
         acc[r] = fma8(d1, v8f{} + scale[2 * v + 1], acc[r]);
       }
     }
-    for (int64_t r = 0; r < R; ++r) {  // the -32 of every code: 32 * scale * sum(x) per 16
+    for (int64_t r = 0; r < R; ++r) {
       const float* xs = xsum + (m0 + r) * (K / 16) + 16 * j;
-      macc[r] = fma8(s1, load8(xs + 8), fma8(s0, load8(xs), macc[r]));
+      macc[r] = fma8(cv[1], load8(xs + 8), fma8(cv[0], load8(xs), macc[r]));
     }
   }
-  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) - 32.f * hsum(macc[r]);
+  for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + n] = hsum(acc[r]) - hsum(macc[r]);
 }
 #endif
 
@@ -1098,8 +1149,8 @@ void kcolumns(const float* x, const float* xsum, const uint8_t* w, float* y, int
       q4k_ktile8<decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);
       return;
     }
-    if constexpr (t == kQ6_K) {
-      q6k_ktile8<decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);
+    if constexpr (t == kQ6_K || t == kQ3_K || t == kQ2_K) {
+      sub16_ktile8<t, decltype(R)::value>(x, xsum, w + n * row_bytes, y, N, K, m0, n);
       return;
     }
 #endif
