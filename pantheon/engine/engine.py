@@ -34,6 +34,7 @@ from pantheon.model.family import family_of
 from pantheon.model.spec import ModelSpec, spec_from_gguf
 from pantheon.model.state import rewind
 from pantheon.model.weights import params_nbytes
+from pantheon.native import build as native_build
 from pantheon.text.chat_template import ChatTemplate, ChatTemplateError
 from pantheon.text.reasoning import think_mode
 from pantheon.text.tokenizer import Tokenizer
@@ -98,6 +99,17 @@ def _finite(a: np.ndarray) -> bool:
     return a.dtype.kind in "ib" or bool(np.isfinite(a.astype(np.float32, copy=False)).all())
 
 
+def exact_kernels_note(backend: str, numerics: str, quantized: bool) -> str:
+    """A line for the log where `exact` numerics take the f32 kernels: a CPU without AVX-512 VNNI
+    (the AVX2 kinds) multiplies a quantized model's weights in f32 there, slower than llama.cpp's
+    8-bit products on the same CPU; "" elsewhere."""
+    if backend != "cpu" or numerics != "exact" or not quantized or not native_build.available() or native_build.fixed_point():
+        return ""
+    return ("this CPU has no AVX-512 VNNI, so `exact` numerics multiply the quantized weights in f32 "
+            "(measured on AVX2: 0.56-0.58 of llama-server's one-client decode); `--numerics llamacpp` "
+            "runs llama.cpp's 8-bit products (measured level with it) at the cost of batch invariance")
+
+
 class Engine:
     def __init__(self, config: ModelConfig, settings: Settings | None = None, *, device=None,
                  host_budget: HostBudget | None = None, blob_key: bytes | None = None):
@@ -130,6 +142,10 @@ class Engine:
         self.device = device
         self.dtype = compute_dtype(backend_of(device))  # bf16 on a GPU, f32 on the CPU (model/dtypes.py)
         params = family.load_params(self.gguf, self.spec, dtype=self.dtype, device=device, numerics=self.numerics)
+        note = exact_kernels_note(backend_of(device), config.numerics,
+                                  any(t.block_size > 1 for t in self.gguf.tensors.values()))
+        if note:
+            log.info("%s: %s", self.name, note)
         # CPU: f16 (f32 llamacpp); GPU: bf16
         self.kv_dtype = kv_cache_dtype(backend_of(device), config.kv_dtype, config.numerics)
         self.runner = ModelRunner(self.spec, self.numerics, params, n_slots, self.ctx, self.registry, device=device,

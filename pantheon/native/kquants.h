@@ -1043,9 +1043,9 @@ inline void q4k_ktile8(const float* x, const float* xsum, const uint8_t* wrow, f
 // -4, Q2_K 0..3), widened from there; per 16 weights a scale and a term coefficient, weight =
 // scale * code - coef (Q6_K: coef = 32 scale, Q3_K: 4 scale, Q2_K: dmin * min), the terms one
 // multiply-add a super-block against x's sums per 16. Q3_K / Q2_K at one / four rows (ns per 32
-// weights, as above): 4.04-4.19 / 2.08-2.15 -> 3.34 / 1.14-1.24, 3.80-3.99 / 2.16-2.20 -> 2.06 / 1.05
-// (cold, two threads, 16384 x 2048 at one / four rows: Q3_K 1.95-2.03 / 2.52-2.56 -> 1.19 / 2.23-2.28 ms
-// with q3k_scales16; Q2_K at four 2.82-2.98 -> 2.16).
+// weights, as above): Q3_K 4.04-4.19 / 2.08-2.15 -> 2.21 / 1.02 (with q3k_scales16), Q2_K 3.80-3.99 /
+// 2.16-2.20 -> 1.92-2.06 / 0.99-1.05; cold, two threads, 16384 x 2048 at one / four rows: Q3_K
+// 1.95-2.03 / 2.52-2.56 -> 1.19 / 2.23-2.28 ms, Q2_K at four 2.82-2.98 -> 2.16.
 template <int64_t t>
 inline void sub16_codes(const uint8_t* b, __m256i q[8]) {
   if constexpr (t == kQ6_K) {
