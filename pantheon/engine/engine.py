@@ -106,8 +106,9 @@ def exact_kernels_note(backend: str, numerics: str, quantized: bool) -> str:
     if backend != "cpu" or numerics != "exact" or not quantized or not native_build.available() or native_build.fixed_point():
         return ""
     return ("this CPU has no AVX-512 VNNI, so `exact` numerics multiply the quantized weights in f32 "
-            "(measured on AVX2: 0.56-0.58 of llama-server's one-client decode); `--numerics llamacpp` "
-            "runs llama.cpp's 8-bit products (measured level with it) at the cost of batch invariance")
+            "(measured with both servers built for AVX2: 0.56-0.58 of llama-server's one-client decode); "
+            "`--numerics llamacpp` runs llama.cpp's 8-bit products (measured level with it) at the cost "
+            "of batch invariance")
 
 
 class Engine:

@@ -144,8 +144,9 @@ def test_k_quant_gemm_rows_equal_their_single_row_products(qtype):
     f32's error of the float64 product. Q4_0/Q4_1 rows of a multiple
     of 256 weights go the same way, eight blocks as one super-block (kquants.h: fixed_group), and
     other lengths (576) through the f32 kernel; long ones (4096) held row major go in K tiles from
-    the rows whose planes outgrow L1 (3 here) and take the GEMM from 8: so every batch of 1 to 27
-    rows is checked against the 27. Elsewhere the same holds for the row tiles every CPU runs."""
+    the rows whose planes outgrow L1 (3 here) and take the GEMM from 8, so batches of 2, 3, 4, 5, 7,
+    8 and 13 rows are checked against the 27 too. Elsewhere the same holds for the row tiles every
+    CPU runs."""
     rng = np.random.default_rng()
     shapes = (((512, False), (4096, True)) if qtype in K_QTYPES else
               ((512, False), (576, False), (2048, False), (4096, False)))
