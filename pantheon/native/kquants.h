@@ -157,6 +157,32 @@ inline void q6k_codes(const uint8_t* b, __m256i q[8]) {
   }
 }
 
+// The 16-weight sub-block types' unsigned codes, 32 a vector in weight order (Q6_K 0..63, Q3_K 0..7
+// before ggml's -32 and -4: code_offset; Q2_K 0..3).
+constexpr int code_offset(int64_t t) { return t == kQ6_K ? 32 : t == kQ3_K ? 4 : 0; }
+template <int64_t t>
+inline void sub16_codes(const uint8_t* b, __m256i q[8]) {
+  if constexpr (t == kQ6_K) {
+    q6k_codes(b, q);
+  } else {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));  // Q3_K's high bits
+    for (int n = 0; n < 2; ++n) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (t == kQ3_K ? 32 : 16) + 32 * n));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), m2);
+        if constexpr (t == kQ3_K) {  // + 4 where the hmask bit is set
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * n + j)));
+          q[4 * n + j] = _mm256_or_si256(low, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
+                                                               _mm256_set1_epi8(4)));
+        } else {
+          q[4 * n + j] = low;
+        }
+      }
+    }
+  }
+}
+
 // Q2_K's and Q3_K's sub-block scales (and Q2_K's mins), 16 of each.
 template <int64_t t>
 inline void decode_scales_k(const uint8_t* b, SuperBlock& o) {
@@ -205,15 +231,6 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 64 * j), lo);
       _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 64 * j + 32), hi);
     }
-  } else if constexpr (t == kQ6_K) {
-    const float d = fp16_at(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int k = 0; k < 16; ++k) o.scale[k] = d * static_cast<float>(sc[k]), o.min[k] = 0.f;
-    const __m256i off = _mm256_set1_epi8(32);
-    __m256i q[8];
-    q6k_codes(b, q);
-    for (int v = 0; v < 8; ++v)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 32 * v), _mm256_sub_epi8(q[v], off));
   } else if constexpr (t == kIQ4_XS) {  // per sub-block: 16 bytes of nibbles, low ones weights 0-15
     const float d = fp16_at(b);
     int16_t s[8];
@@ -222,28 +239,19 @@ inline void codes_k(const uint8_t* b, SuperBlock& o) {
       o.scale[i] = d * static_cast<float>(s[i]), o.min[i] = 0.f;
       _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 32 * i), iq4_codes(b + 8 + 16 * i));
     }
-  } else if constexpr (t == kQ3_K) {  // 2 low bits from qs, minus 4 where the hmask bit is clear
-    decode_scales_k<t>(b, o);
-    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), m2 = _mm256_set1_epi8(3);
-    const __m256i four = _mm256_set1_epi8(4), zero = _mm256_setzero_si256();
-    for (int n = 0; n < 2; ++n) {
-      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * n));
-      for (int j = 0; j < 4; ++j) {
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), m2);
-        const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8(static_cast<char>(1 << (4 * n + j)))), zero);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * n + 32 * j),
-                           _mm256_sub_epi8(low, _mm256_and_si256(clear, four)));
-      }
+  } else {  // Q2_K, Q3_K, Q6_K: the unsigned codes less their offset (ggml's signed codes)
+    if constexpr (t == kQ6_K) {
+      const float d = fp16_at(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int k = 0; k < 16; ++k) o.scale[k] = d * static_cast<float>(sc[k]), o.min[k] = 0.f;
+    } else {
+      decode_scales_k<t>(b, o);
     }
-  } else {  // Q2_K: 2 bits per code
-    decode_scales_k<t>(b, o);
-    const __m256i m2 = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; ++n) {
-      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * n));
-      for (int j = 0; j < 4; ++j)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 128 * n + 32 * j),
-                           _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), m2));
-    }
+    const __m256i off = _mm256_set1_epi8(code_offset(t));
+    __m256i q[8];
+    sub16_codes<t>(b, q);
+    for (int v = 0; v < 8; ++v)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + 32 * v), _mm256_sub_epi8(q[v], off));
   }
 }
 
@@ -948,32 +956,21 @@ inline void ktile(const float* x, const float* xsum, const uint8_t* wrow, float*
   // converted vectors went through the stack on AVX2's 16 registers: 16384 x 2048 cold on AVX2, two
   // / four rows, Q4_K 2.39 / 3.62 -> 1.32-1.41 / 1.98 ms, Q5_K four 3.69 -> 2.09, Q3_K 4.34 -> 2.13;
   // one row Q2_K 1.72 -> 1.18, Q3_K 2.01 -> 1.78, Q5_K 1.22 -> 1.07; the AVX2 1 B Q4_K_M decode step
-  // at 2 / 4 / 8 rows 78-83 / 119-125 / 241-245 -> 53-54 / 78 / 152-157 ms). One row of Q6_K
-  // converts each code vector as it multiplies, as every one-row tile did: 1.38 ms that way here,
-  // 1.50 the other, 1.26 in the kernel before (the compiler's code for it moved with the change; the
-  // one-row step 37-38 -> 39-40 ms). Each row's sums run in the same order whatever R.
+  // at 2 / 4 / 8 rows 78-83 / 119-125 / 241-245 -> 53-54 / 78 / 152-157 ms). Each row's sums run in
+  // the same order whatever R. (kcolumns gives Q4_K, IQ4_XS and Q6_K their own tiles on AVX-512,
+  // Q4_K, Q2_K, Q3_K and Q6_K on AVX2.)
   for (int64_t j = 0; j < nsb; ++j) {
     prefetch_block<bb>(wrow + j * bb);
     codes_k<t>(wrow + j * bb, sb);
-    if constexpr (R == 1 && t == kQ6_K) {
-      const float* xr = x + m0 * K + j * 256;
-      for (int s = 0; s < nv / per_sub; ++s) {
-        const int v0 = s * per_sub;
-        vkf dot = k_mul(k_codes(sb, v0), k_load(xr + kW * v0));
-        for (int v = v0 + 1; v < v0 + per_sub; ++v) dot = k_fma(k_codes(sb, v), k_load(xr + kW * v), dot);
-        acc[0] = k_fma(dot, k_set1(sb.scale[s]), acc[0]);
-      }
-    } else {
-      for (int s = 0; s < nv / per_sub; ++s) {
-        const int v0 = s * per_sub;
-        vkf c[per_sub];
-        for (int i = 0; i < per_sub; ++i) c[i] = k_codes(sb, v0 + i);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* xr = x + (m0 + r) * K + j * 256;
-          vkf dot = k_mul(c[0], k_load(xr + kW * v0));
-          for (int i = 1; i < per_sub; ++i) dot = k_fma(c[i], k_load(xr + kW * (v0 + i)), dot);
-          acc[r] = k_fma(dot, k_set1(sb.scale[s]), acc[r]);
-        }
+    for (int s = 0; s < nv / per_sub; ++s) {
+      const int v0 = s * per_sub;
+      vkf c[per_sub];
+      for (int i = 0; i < per_sub; ++i) c[i] = k_codes(sb, v0 + i);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * K + j * 256;
+        vkf dot = k_mul(c[0], k_load(xr + kW * v0));
+        for (int i = 1; i < per_sub; ++i) dot = k_fma(c[i], k_load(xr + kW * (v0 + i)), dot);
+        acc[r] = k_fma(dot, k_set1(sb.scale[s]), acc[r]);
       }
     }
     if constexpr (has_k_min(t)) {
@@ -1046,28 +1043,6 @@ inline void q4k_ktile8(const float* x, const float* xsum, const uint8_t* wrow, f
 // weights, as above): Q3_K 4.04-4.19 / 2.08-2.15 -> 2.21 / 1.02 (with q3k_scales16), Q2_K 3.80-3.99 /
 // 2.16-2.20 -> 1.92-2.06 / 0.99-1.05; cold, two threads, 16384 x 2048 at one / four rows: Q3_K
 // 1.95-2.03 / 2.52-2.56 -> 1.19 / 2.23-2.28 ms, Q2_K at four 2.82-2.98 -> 2.16.
-template <int64_t t>
-inline void sub16_codes(const uint8_t* b, __m256i q[8]) {
-  if constexpr (t == kQ6_K) {
-    q6k_codes(b, q);
-  } else {
-    const __m256i m2 = _mm256_set1_epi8(3);
-    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));  // Q3_K's high bits
-    for (int n = 0; n < 2; ++n) {
-      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (t == kQ3_K ? 32 : 16) + 32 * n));
-      for (int j = 0; j < 4; ++j) {
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), m2);
-        if constexpr (t == kQ3_K) {  // + 4 where the hmask bit is set
-          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (4 * n + j)));
-          q[4 * n + j] = _mm256_or_si256(low, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
-                                                               _mm256_set1_epi8(4)));
-        } else {
-          q[4 * n + j] = low;
-        }
-      }
-    }
-  }
-}
 // Scales and term coefficients of sub-blocks 0-7 (s[0], c[0]) and 8-15 (s[1], c[1]).
 template <int64_t t>
 inline void sub16_coefs(const uint8_t* b, v8f s[2], v8f c[2]) {
@@ -1088,7 +1063,7 @@ inline void sub16_coefs(const uint8_t* b, v8f s[2], v8f c[2]) {
     sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), d = fp16_at(b + 208);
   }
   s[0] = (v8f{} + d) * f32x8(sc), s[1] = (v8f{} + d) * f32x8(_mm_srli_si128(sc, 8));
-  const v8f off = v8f{} + (t == kQ6_K ? 32.f : 4.f);  // a power of two: an exact product
+  const v8f off = v8f{} + static_cast<float>(code_offset(t));  // a power of two: an exact product
   c[0] = off * s[0], c[1] = off * s[1];
 }
 template <int64_t t, int64_t R>
