@@ -54,3 +54,25 @@ def test_ineligible_is_not_a_failure_and_classes_split():
     assert reg.counters("batched_ssm") == {"live": 0, "total": 1, "failed": 0, "ineligible": 1, "pending": 0}
     assert reg.counters("batched_attn")["live"] == 1
     assert reg.classes() == ["batched_attn", "batched_ssm"]
+
+
+@jax.jit
+def squared(x):
+    return x * x
+
+
+def test_forget_traces_drops_jaxs_second_copy_after_each_compile():
+    """jax keeps its own trace, lowering and executable of every program the registry compiles; the
+    registry holds the executable it calls, so with forget_traces (serving, after the warm-up) a
+    compile drops jax's caches. The compiled program still runs; a jitted helper traces again."""
+    np.testing.assert_allclose(squared(jnp.full(3, 2.0)), [4.0] * 3)
+    keep = GraphRegistry()
+    keep.call(GraphKey("decode", "dense", (3,)), scaled, (jnp.ones(3),), {"scale": 2.0})
+    assert squared._cache_size() == 1  # jax's copies stay by default
+    reg = GraphRegistry(forget_traces=True)
+    key = GraphKey("decode", "dense", (5,))
+    np.testing.assert_allclose(reg.call(key, scaled, (jnp.ones(5),), {"scale": 4.0}), [4.0] * 5)
+    assert squared._cache_size() == 0
+    np.testing.assert_allclose(reg.call(key, scaled, (jnp.ones(5),), {"scale": 4.0}), [4.0] * 5)
+    assert reg.captures == 1  # the held executable: no recompile
+    np.testing.assert_allclose(squared(jnp.full(2, 3.0)), [9.0] * 2)
