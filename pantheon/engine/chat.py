@@ -320,5 +320,6 @@ def plan_chat(engine, chat, window: int | None = None) -> ChatPlan:
         max_tokens=chat.max_tokens, stops=chat.stop, think=prompt.think, start_in_reasoning=prompt.start_in_reasoning,
         session_id=chat.session_id, dialect=prompt.dialect, tools=prompt.specs, grammar=fmt.grammar or tools,
         reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0),
-        progress=chat.stream and chat.return_progress, timed=chat.stream and chat.timings_per_token)
+        progress=chat.stream and chat.return_progress, timed=chat.stream and chat.timings_per_token,
+        prompt_logprobs=getattr(chat, "prompt_logprobs", None))
     return ChatPlan(request, fmt.status, fmt.json_constrained, fmt.downgraded)

@@ -25,6 +25,10 @@ class GenerationRequest:
     grammar: object = None  # a tools Grammar constraining every choice (tool call or JSON)
     progress: bool = False  # report the prompt's prefill as it goes (PromptProgress events)
     timed: bool = False  # every Delta carries the request's timings so far
+    # Score the prompt (PromptLogprobs before the first token): each prompt token's log-probability
+    # given the ones before it, with this many likeliest alternatives (0-20); None: off. The prompt
+    # then runs from its first token (no cached prefix: its positions' logits are needed).
+    prompt_logprobs: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -61,6 +65,15 @@ class PromptProgress:
     processed: int
     elapsed_s: float
     timings: Timings
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's scores (GenerationRequest.prompt_logprobs), once its prefill is done: an entry for
+    each prompt token after the first (the first has no context to be scored in)."""
+
+    first_token: int  # the prompt's first token (unscored)
+    tokens: list[TokenInfo]
 
 
 @dataclass

@@ -23,8 +23,8 @@ from pantheon.engine.chunks import CHUNK_BUCKETS, bucket_for, chunk_length, padd
 from pantheon.engine.graphs import GraphKey, GraphRegistry, abstract
 from pantheon.engine.memory import release_free_memory
 from pantheon.engine.residency import AttentionResidency
-from pantheon.engine.sampler import (SampleOutput, SamplingBatch, SamplingParams, allocate_sampler_state, bias_arrays,
-                                     prng_key_for, reset_slot, sample)
+from pantheon.engine.sampler import (PromptScores, SampleOutput, SamplingBatch, SamplingParams, allocate_sampler_state,
+                                     bias_arrays, prng_key_for, prompt_scores, reset_slot, sample)
 from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
 from pantheon.model.sharding import KV_CACHE
@@ -70,6 +70,10 @@ class PrefillWork:
     sampling: "SlotSampling | None" = None
     forced: int = -1
     mask: np.ndarray | None = None  # int32 [words] grammar bitmask row
+    # A scored prompt's chunk: the prompt tokens after each of the chunk's (the last chunk has one
+    # fewer), whose log-probabilities, with `top` alternatives, come back in StepOutput.scores
+    targets: list[int] | None = None
+    top: int = 0
 
 
 @dataclass
@@ -96,6 +100,7 @@ class StepWork:
 class StepOutput:
     prefill: SampleOutput | None = None  # one row, when the chunk ended its prompt
     decode: SampleOutput | None = None
+    scores: PromptScores | None = None  # a scored prompt's chunk (PrefillWork.targets)
 
 
 @dataclass
@@ -335,7 +340,12 @@ class ModelRunner:
         p = work.prefill
         if p is not None:
             with jax.profiler.TraceAnnotation("prefill_chunk", slot=p.slot, tokens=len(p.tokens)):
-                logits = self.prefill(p.slot, p.tokens, p.start)
+                if p.targets is None:
+                    logits = self.prefill(p.slot, p.tokens, p.start)
+                else:  # every position's logits, scored on the host (sampler.prompt_scores)
+                    every = self.prefill(p.slot, p.tokens, p.start, all_logits=True)
+                    logits = every[-1]
+                    out.scores = prompt_scores(np.asarray(every), p.targets, p.top)
             if p.sampling is not None:
                 mask = None if p.mask is None else p.mask[None]
                 out.prefill = self.sample(logits[None], [p.slot], [p.sampling], [p.forced], mask)

@@ -115,6 +115,40 @@ class SampleOutput:
     post_probs: jax.Array  # float32 [B, 20]
 
 
+@dataclass
+class PromptScores:
+    """A scored prompt chunk (GenerationRequest.prompt_logprobs): for each position, the
+    log-probability of the prompt's next token, and the likeliest tokens with theirs."""
+
+    logprob: np.ndarray  # float32 [n]
+    top_ids: np.ndarray  # int32 [n, k]
+    top_logprobs: np.ndarray  # float32 [n, k]
+
+
+SCORE_ROWS = 32  # rows of logits taken at once: the temporaries stay ~3 x 32 x V floats
+
+
+def prompt_scores(logits: np.ndarray, targets: list[int], k: int) -> PromptScores:
+    """Under log_softmax of each row of logits [>= n, V]: targets[i]'s value (n = len(targets)), and
+    the k largest, likeliest first (ties by id). On the host: prompts come in every length, and a
+    compiled program per length would cost more than the arithmetic."""
+    n = len(targets)
+    out = PromptScores(np.empty(n, np.float32), np.empty((n, k), np.int32), np.empty((n, k), np.float32))
+    for r0 in range(0, n, SCORE_ROWS):
+        x = np.asarray(logits[r0:min(n, r0 + SCORE_ROWS)], np.float32)
+        peak = x.max(axis=1, keepdims=True)
+        lse = peak[:, 0] + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64)).astype(np.float32)
+        rows = np.arange(len(x))
+        out.logprob[r0:r0 + len(x)] = x[rows, np.asarray(targets[r0:r0 + len(x)])] - lse
+        if k:
+            part = np.argpartition(-x, k - 1, axis=1)[:, :k] if k < x.shape[1] else np.tile(np.arange(x.shape[1]), (len(x), 1))
+            order = np.lexsort((part, -np.take_along_axis(x, part, axis=1)), axis=1)
+            ids = np.take_along_axis(part, order, axis=1)
+            out.top_ids[r0:r0 + len(x)] = ids
+            out.top_logprobs[r0:r0 + len(x)] = np.take_along_axis(x, ids, axis=1) - lse[:, None]
+    return out
+
+
 CANDIDATES = 128  # rows whose top_k fits here sample from a partial top-k, not a full-vocab sort
 
 

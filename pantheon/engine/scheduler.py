@@ -33,9 +33,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from pantheon.engine.events import Admitted, ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError, failure_message
+from pantheon.engine.events import (Admitted, ChoiceEnd, Delta, PromptLogprobs, PromptProgress, RequestEnd, RequestError,
+                                    TokenInfo, failure_message)
 from pantheon.engine.memory import release_free_memory
-from pantheon.engine.chunks import chunk_length
+from pantheon.engine.chunks import CHUNK_BUCKETS, chunk_length
 from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
@@ -47,6 +48,7 @@ THINK_CLOSE = "</think>\n\n"
 QUEUE_WAIT_S = 30.0
 STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
 SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
+SCORED_LOGITS = 2**24  # a scored prompt's chunk holds at most this many logits (64 MiB): its every row's
 SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
 MAINTENANCE_S = 1.0
 
@@ -254,15 +256,27 @@ class Scheduler:
         is bounded in tokens and in attention work (chunk x keys attended): deep into a long prompt
         each token attends to thousands of keys, and a fixed-size chunk would stall everyone else's
         step for seconds."""
-        if len(self.running) == 1:
-            return STEP_TOKENS
-        return next((t for t in SHARED_CHUNKS if t * (seq.prefill_at + t) <= SHARED_STEP_KEYS), SHARED_CHUNKS[-1])
+        tokens = STEP_TOKENS if len(self.running) == 1 else \
+            next((t for t in SHARED_CHUNKS if t * (seq.prefill_at + t) <= SHARED_STEP_KEYS), SHARED_CHUNKS[-1])
+        if self._scored(seq):  # every row's logits come back: a bucket bounded in bytes too (a 262k vocabulary: 64)
+            v = self.engine.spec.n_vocab
+            tokens = min(tokens, max([b for b in CHUNK_BUCKETS if b * v <= SCORED_LOGITS], default=CHUNK_BUCKETS[0]))
+        return tokens
+
+    @staticmethod
+    def _scored(seq: Sequence) -> bool:
+        """Whether this sequence scores its prompt: a request's first choice, where it asked."""
+        return seq.index == 0 and seq.request.prompt_logprobs is not None
 
     def _work(self, plan: Plan) -> StepWork:
         work = StepWork()
         seq = plan.prefill
         if seq is not None:
             work.prefill = PrefillWork(seq.slot.index, plan.chunk, seq.prefill_at)
+            if self._scored(seq):
+                at = seq.prefill_at + 1
+                work.prefill.targets = seq.request.prompt_ids[at:at + len(plan.chunk)]
+                work.prefill.top = seq.request.prompt_logprobs
             if seq.prefill_at + len(plan.chunk) == len(seq.request.prompt_ids):  # the prompt's last chunk
                 work.prefill.sampling = seq.sampling
                 work.prefill.forced = seq.take_forced()
@@ -305,7 +319,8 @@ class Scheduler:
             req = seq.request
             session = req.session_id if seq.index == 0 else None
             try:
-                got = self.table.acquire(session, req.prompt_ids, use_cache=seq.index == 0)
+                # a scored prompt runs from its first token: a cached prefix has no logits to score
+                got = self.table.acquire(session, req.prompt_ids, use_cache=seq.index == 0 and req.prompt_logprobs is None)
             except CapacityError:
                 rate = self.engine.prefill_rate()
                 self._fail(seq.state, RequestError(
@@ -364,6 +379,8 @@ class Scheduler:
             seq.prefill_at += len(plan.chunk)
             seq.history.extend(plan.chunk)
             self._progress(seq, seq.prefill_at)
+            if out.scores is not None:
+                self._scores(seq, plan.chunk, out.scores)
             if out.prefill is not None:
                 self._accept(seq, out.prefill, 0, policy)
         for s in plan.decode:
@@ -425,6 +442,18 @@ class Scheduler:
             self._fail(st, RequestError(failure.type, failure.message))
 
     # ---- events -----------------------------------------------------------------------------------------
+    def _scores(self, seq: Sequence, chunk: list[int], scores) -> None:
+        """A scored chunk's entries; once the prompt is done, the PromptLogprobs event (before the
+        first token's Delta)."""
+        first = seq.prefill_at - len(chunk) + 1  # the prompt index of the chunk's first target
+        targets = seq.request.prompt_ids[first:first + len(scores.logprob)]
+        seq.prompt_scores.extend(
+            TokenInfo(int(t), float(lp), [(int(i), float(v)) for i, v in zip(ids, lps)])
+            for t, lp, ids, lps in zip(targets, scores.logprob, scores.top_ids, scores.top_logprobs))
+        if not seq.prefilling:
+            seq.state.emit(PromptLogprobs(seq.request.prompt_ids[0], seq.prompt_scores))
+            seq.prompt_scores = []
+
     def _progress(self, seq: Sequence, processed: int) -> None:
         """A PromptProgress event for a request that asked for them (its first choice's prompt)."""
         st = seq.state

@@ -84,6 +84,7 @@ class Sequence:
     forced: list[int] = field(default_factory=list)
     reasoning_tokens: int = 0
     pending: list[TokenInfo] = field(default_factory=list)  # logprobs not yet emitted
+    prompt_scores: list[TokenInfo] = field(default_factory=list)  # the prompt's, as its chunks run
     matcher: object = None  # the grammar state of a constrained choice
     prefill_turn: int = 0  # the scheduler step that last gave this sequence a prefill chunk
 

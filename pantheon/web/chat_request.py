@@ -52,6 +52,7 @@ class ChatRequest:
     prompt: str | list[int] | None = None
     suffix: str | None = None
     add_special: bool = True
+    prompt_logprobs: int | None = None  # score the prompt too (echo with logprobs): alternatives per token
 
 
 def _number(body: dict, key: str, default, kind=float):

@@ -1,6 +1,9 @@
 """POST /v1/completions (and /completions): OpenAI's legacy text completions. The prompt is raw text
 or token ids, no chat template, on the same engine, sampler and sessions as chat; several prompts
-run as concurrent requests, their choices numbered prompt-major (prompt i, choice j -> i * n + j)."""
+run as concurrent requests, their choices numbered prompt-major (prompt i, choice j -> i * n + j).
+`echo` with `logprobs` scores the prompt too (each prompt token's log-probability given those
+before it, as OpenAI's legacy API and vLLM do: what lm-evaluation-harness reads for log-likelihoods);
+with `echo` and `max_tokens: 0`, only the prompt comes back."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from dataclasses import replace
 from quart import Blueprint
 
 from pantheon.engine.chat import plan_chat
-from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError
+from pantheon.engine.events import ChoiceEnd, Delta, PromptLogprobs, PromptProgress, RequestEnd, RequestError
 from pantheon.web import sse
 from pantheon.web.chat_request import MAX_N, ChatRequest, _number, prompt_list, sampling_fields
 from pantheon.web.errors import error_body, invalid, json_body
@@ -39,9 +42,11 @@ def parse_completion_request(body) -> tuple[list[ChatRequest], dict]:
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise invalid("'echo' must be a boolean")
-    if echo and logprobs is not None:
-        raise invalid("'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does "
-                      "not compute; drop one of them")
+    # echo with max_tokens 0 asks for the prompt alone (scored, with logprobs): one token is
+    # generated underneath, never shown
+    score_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    if score_only:
+        fields["max_tokens"] = 1
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise invalid("'suffix' must be a string")
@@ -54,8 +59,9 @@ def parse_completion_request(body) -> tuple[list[ChatRequest], dict]:
     if best_of > n and fields["stream"]:
         raise invalid("'best_of' greater than 'n' cannot be streamed")
     fields.update(n=best_of, logprobs=logprobs is not None or best_of > n, top_logprobs=logprobs or 0)
-    reqs = [ChatRequest(messages=[], prompt=p, suffix=suffix, **fields) for p in prompts]
-    return reqs, {"echo": echo, "logprobs": logprobs, "n": n, "best_of": best_of}
+    scored = logprobs if echo else None
+    reqs = [ChatRequest(messages=[], prompt=p, suffix=suffix, prompt_logprobs=scored, **fields) for p in prompts]
+    return reqs, {"echo": echo, "logprobs": logprobs, "n": n, "best_of": best_of, "score_only": score_only}
 
 
 def _legacy_logprobs(engine, tokens, offset: int) -> dict:
@@ -73,8 +79,33 @@ def _legacy_logprobs(engine, tokens, offset: int) -> dict:
     return out
 
 
-def _usage(ends: list[RequestEnd]) -> dict:
-    prompt, completion = sum(e.prompt_tokens for e in ends), sum(e.completion_tokens for e in ends)
+def _prompt_logprobs(engine, scored: PromptLogprobs) -> dict:
+    """The echoed prompt's entries in the legacy shape: its first token has no context, so no
+    log-probability and no alternatives (null, as OpenAI and vLLM give it); offsets from 0."""
+    first = engine.tokenizer.token_bytes(scored.first_token).decode("utf-8", errors="replace")
+    rest = _legacy_logprobs(engine, scored.tokens, len(first))
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+def _joined(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
+
+
+async def _taking_scores(events, into: list):
+    """The events with the prompt's scores (PromptLogprobs) taken out into `into`."""
+    async for ev in events:
+        if isinstance(ev, PromptLogprobs):
+            into.append(ev)
+        else:
+            yield ev
+
+
+def _usage(ends: list[RequestEnd], score_only: bool = False) -> dict:
+    prompt = sum(e.prompt_tokens for e in ends)
+    completion = 0 if score_only else sum(e.completion_tokens for e in ends)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(e.cached_tokens for e in ends)}}
 
@@ -105,20 +136,26 @@ async def completions():
     try:
         choices, ends = [], []
         for i, (engine, _, events, req) in enumerate(submitted):
-            got, end = await collect(events, req.n)
+            scored = []
+            got, end = await collect(_taking_scores(events, scored), req.n)
             ends.append(end)
             if opts["best_of"] > opts["n"]:  # the n most likely of best_of, by their summed log-probability
                 got = sorted(got, key=lambda c: -sum(t.logprob for t in c.tokens))[:opts["n"]]
             prefix = _echo_text(engine, req) if opts["echo"] else ""
+            echoed = _prompt_logprobs(engine, scored[0]) if scored else None
             for j, c in enumerate(got):
+                if opts["score_only"]:
+                    choices.append({"index": i * opts["n"] + j, "text": prefix, "logprobs": echoed,
+                                    "finish_reason": "length"})
+                    continue
                 choices.append({"index": i * opts["n"] + j, "text": prefix + c.content,
                                 "logprobs": None if opts["logprobs"] is None else
-                                _legacy_logprobs(engine, c.tokens, len(prefix)),
+                                _joined(echoed, _legacy_logprobs(engine, c.tokens, len(prefix))),
                                 "finish_reason": c.finish_reason})
     finally:
         for _, _, events, _ in submitted:
             await events.aclose()
-    return {**meta, "choices": choices, "usage": _usage(ends)}
+    return {**meta, "choices": choices, "usage": _usage(ends, opts["score_only"])}
 
 
 async def _stream(submitted, opts: dict, meta: dict, include_usage: bool):
@@ -135,10 +172,17 @@ async def _stream(submitted, opts: dict, meta: dict, include_usage: bool):
             if opts["echo"]:
                 prefix = _echo_text(engine, req)
                 offsets = [len(prefix)] * req.n
-                yield b"".join(chunk(base + j, prefix) for j in range(req.n))
+                if req.prompt_logprobs is None:  # else with its scores, which come before any token
+                    yield b"".join(chunk(base + j, prefix) for j in range(req.n))
             async for ev in events:
-                if isinstance(ev, PromptProgress):
+                if isinstance(ev, PromptLogprobs):
+                    lp = _prompt_logprobs(engine, ev)
+                    yield b"".join(chunk(base + j, prefix, logprobs=lp) for j in range(req.n))
+                elif isinstance(ev, PromptProgress):
                     yield chunk(base, "", top=progress_fields(ev, req))
+                elif opts["score_only"] and isinstance(ev, (Delta, ChoiceEnd)):
+                    if isinstance(ev, ChoiceEnd):  # the token generated underneath is not shown
+                        yield chunk(base + ev.index, "", finish="length")
                 elif isinstance(ev, Delta) and (ev.content or ev.tokens):
                     lp = None
                     if opts["logprobs"] is not None:
@@ -153,7 +197,7 @@ async def _stream(submitted, opts: dict, meta: dict, include_usage: bool):
                     yield sse.event(error_body(ev.type, ev.message, **ev.fields)) + sse.DONE
                     return
         if include_usage:
-            yield sse.event({**meta, "choices": [], "usage": _usage(ends)})
+            yield sse.event({**meta, "choices": [], "usage": _usage(ends, opts["score_only"])})
         yield sse.DONE
     finally:
         for _, _, events, _ in submitted:

@@ -77,7 +77,6 @@ def test_count_tokens_needs_no_max_tokens(app):
 
 
 @pytest.mark.parametrize("body, needle", [
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "'echo' with 'logprobs'"),
     ({"prompt": "x", "n": 3, "best_of": 2}, "'best_of' (2) must be at least 'n' (3)"),
     ({"prompt": "x", "best_of": 3, "stream": True}, "cannot be streamed"),
     ({"prompt": ["x"] * 17}, "at most 16"),

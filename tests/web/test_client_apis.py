@@ -194,6 +194,13 @@ def test_completions_create(oai):
     echoed = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=4, echo=True,
                                     **GREEDY)
     assert echoed.choices[0].text == "The capital of France is" + c.text
+    # the prompt scored, as lm-evaluation-harness asks for a log-likelihood: echo, logprobs, max_tokens 0
+    scored = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=0, echo=True,
+                                    logprobs=1, **GREEDY).choices[0]
+    assert scored.text == "The capital of France is" and scored.finish_reason == "length"
+    slp = scored.logprobs
+    assert slp.token_logprobs[0] is None and len(slp.tokens) == len(slp.token_logprobs) == 5
+    assert all(v <= 0 for v in slp.token_logprobs[1:]) and all(len(t) == 1 for t in slp.top_logprobs[1:])
     streamed = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=4, stream=True,
                                       **GREEDY)
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == c.text
