@@ -30,5 +30,19 @@ def pool(hidden: np.ndarray, kind: str) -> np.ndarray:
 
 def normalize(v: np.ndarray) -> np.ndarray:
     """L2-normalised along the last axis (a zero vector stays zero)."""
-    norm = np.sqrt(np.sum(np.square(v, dtype=np.float64), axis=-1, keepdims=True))
-    return (v / np.where(norm > 0, norm, 1.0)).astype(np.float32)
+    return p_normalize(v, 2)
+
+
+def p_normalize(v: np.ndarray, p: int) -> np.ndarray:
+    """llama.cpp's common_embd_normalize over the last axis: p = -1 none, 0 the largest |v| scaled to
+    32760 (the int16 range), 1 taxicab, 2 Euclidean, larger p the p-norm; a zero vector stays zero."""
+    a = np.abs(v.astype(np.float64))
+    if p == -1:
+        return v.astype(np.float32)
+    if p == 0:
+        norm = a.max(axis=-1, keepdims=True) / 32760.0
+    elif p == 2:
+        norm = np.sqrt(np.sum(a * a, axis=-1, keepdims=True))
+    else:
+        norm = np.sum(a ** p, axis=-1, keepdims=True) ** (1.0 / p)
+    return (v / np.where(norm > 0, norm, np.inf)).astype(np.float32)

@@ -166,6 +166,40 @@ def test_embeddings_route(app):
         assert app.post("/v1/embeddings", {"model": "tiny", "input": bad})[0] == 400
 
 
+def test_llama_servers_legacy_embedding_route(app):
+    """/embedding: llama-server's shape, [{"index", "embedding": [[...]]}], normalised as embd_normalize
+    says (llama.cpp's common_embd_normalize), the same vector as /v1/embeddings' by default."""
+    oai = np.array(app.post("/v1/embeddings", {"model": "tiny", "input": "hello"})[1]["data"][0]["embedding"])
+    status, reply, _ = app.post("/embedding", {"model": "tiny", "content": ["hello", [1, 5, 9]]})
+    assert status == 200 and [r["index"] for r in reply] == [0, 1] and all(len(r["embedding"]) == 1 for r in reply)
+    np.testing.assert_allclose(reply[0]["embedding"][0], oai, atol=1e-6)
+    raw = np.array(app.post("/embedding", {"model": "tiny", "content": "hello", "embd_normalize": -1})[1][0]["embedding"][0])
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3  # not normalised
+    np.testing.assert_allclose(raw / np.linalg.norm(raw), oai, atol=1e-5)
+    for p, scale in ((0, np.abs(raw).max() / 32760), (1, np.abs(raw).sum()), (3, (np.abs(raw) ** 3).sum() ** (1 / 3))):
+        got = app.post("/embedding", {"model": "tiny", "content": "hello", "embd_normalize": p})[1][0]["embedding"][0]
+        np.testing.assert_allclose(got, raw / scale, rtol=1e-5, atol=1e-6)
+    for bad in ("2", -2, 1.5, True):
+        status, reply, _ = app.post("/embedding", {"model": "tiny", "content": "hello", "embd_normalize": bad})
+        assert status == 400 and "embd_normalize" in reply["error"]["message"]
+
+
+def test_legacy_embedding_route_gives_every_token_where_the_pooling_is_none(tmp_path_factory):
+    from tests.fixtures.tiny_models import write_tiny_llama
+    from tests.web.inprocess import InProcessApp
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("pool-none") / "tiny.gguf", extra_metadata={"llama.pooling_type": 0})
+    server = InProcessApp([(str(path), "tiny")])
+    try:
+        status, reply, _ = server.post("/embedding", {"model": "tiny", "content": [[1, 5, 9, 13]]})
+        assert status == 200 and len(reply[0]["embedding"]) == 4  # a vector per token, unnormalised
+        hidden = server.run(server.engine("tiny").hidden_states([1, 5, 9, 13]))
+        np.testing.assert_allclose(reply[0]["embedding"], hidden, atol=1e-6)
+        assert server.post("/v1/embeddings", {"model": "tiny", "input": "x"})[0] == 400  # OpenAI's shape cannot
+    finally:
+        server.close()
+
+
 # ---- admin load inherits the serve's per-model options ------------------------------------------------
 def test_admin_load_inherits_numerics_and_kv_type(tmp_path_factory):
     from tests.fixtures.tiny_models import write_tiny_llama
