@@ -148,7 +148,8 @@ class GraphRegistry:
             exe.compiled = fn.lower(*args, **static).compile()
             self.captures += 1
             exe.retry = None
-            if self.forget_traces:
+            # (not while a failed program runs traced instead: its fallback lives in those caches)
+            if self.forget_traces and not any(e.compiled is None and e.failures for e in self._exes.values()):
                 forget_traces()
         except Exception as e:  # noqa: BLE001 - any compile failure falls back, and is counted
             exe.failures += 1

@@ -76,3 +76,14 @@ def test_forget_traces_drops_jaxs_second_copy_after_each_compile():
     np.testing.assert_allclose(reg.call(key, scaled, (jnp.ones(5),), {"scale": 4.0}), [4.0] * 5)
     assert reg.captures == 1  # the held executable: no recompile
     np.testing.assert_allclose(squared(jnp.full(2, 3.0)), [9.0] * 2)
+
+
+def test_forget_traces_spares_a_failed_programs_fallback():
+    """A program whose compile failed runs traced (jax's caches hold that trace): while one does,
+    a later compile leaves the caches alone, so the fallback does not trace again each time."""
+    reg = GraphRegistry(forget_traces=True, max_retries=5, backoff_s=60.0)
+    failing = GraphKey("decode", "dense", (7,))
+    np.testing.assert_allclose(reg.call(failing, Unlowerable(), (np.ones(2),)), [2.0, 2.0])
+    np.testing.assert_allclose(squared(jnp.full(2, 3.0)), [9.0] * 2)
+    reg.call(GraphKey("decode", "dense", (8,)), scaled, (jnp.ones(8),), {"scale": 2.0})
+    assert reg.captures == 1 and squared._cache_size() == 1
