@@ -48,7 +48,7 @@ THINK_CLOSE = "</think>\n\n"
 QUEUE_WAIT_S = 30.0
 STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
 SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
-SCORED_LOGITS = 2**24  # a scored prompt's chunk holds at most this many logits (64 MiB): its every row's
+SCORED_LOGITS = 2**24  # a scored prompt's chunk returns every row's logits: at most this many (64 MiB)
 SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
 MAINTENANCE_S = 1.0
 
