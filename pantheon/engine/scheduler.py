@@ -48,7 +48,8 @@ THINK_CLOSE = "</think>\n\n"
 QUEUE_WAIT_S = 30.0
 STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
 SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
-SCORED_LOGITS = 2**24  # a scored prompt's chunk returns every row's logits: at most this many (64 MiB)
+SCORED_CHUNK = 64  # a scored prompt's chunks, whatever else runs: its scores do not depend on the load
+SCORED_LOGITS = 2**24  # ... and fewer where their logits (every row's come back) would pass 64 MiB
 SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
 MAINTENANCE_S = 1.0
 
@@ -256,12 +257,13 @@ class Scheduler:
         is bounded in tokens and in attention work (chunk x keys attended): deep into a long prompt
         each token attends to thousands of keys, and a fixed-size chunk would stall everyone else's
         step for seconds."""
-        tokens = STEP_TOKENS if len(self.running) == 1 else \
-            next((t for t in SHARED_CHUNKS if t * (seq.prefill_at + t) <= SHARED_STEP_KEYS), SHARED_CHUNKS[-1])
-        if self._scored(seq):  # every row's logits come back: a bucket bounded in bytes too (a 262k vocabulary: 64)
+        if self._scored(seq):  # the same chunks alone or beside others (other chunkings move scores by up
+            # to ~2e-3, measured on SmolLM2: other kernels, other summation orders), bounded in bytes too
             v = self.engine.spec.n_vocab
-            tokens = min(tokens, max([b for b in CHUNK_BUCKETS if b * v <= SCORED_LOGITS], default=CHUNK_BUCKETS[0]))
-        return tokens
+            return max([b for b in CHUNK_BUCKETS if b <= SCORED_CHUNK and b * v <= SCORED_LOGITS], default=CHUNK_BUCKETS[0])
+        if len(self.running) == 1:
+            return STEP_TOKENS
+        return next((t for t in SHARED_CHUNKS if t * (seq.prefill_at + t) <= SHARED_STEP_KEYS), SHARED_CHUNKS[-1])
 
     @staticmethod
     def _scored(seq: Sequence) -> bool:

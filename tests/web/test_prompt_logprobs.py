@@ -6,6 +6,8 @@ returns the prompt alone."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -88,8 +90,8 @@ def test_the_prompt_scores_come_before_the_completions(app):
         lp = choice["logprobs"]
         assert choice["text"].endswith(plain["text"]) and len(lp["tokens"]) == len(IDS) + 3
         assert lp["tokens"][len(IDS):] == plain["logprobs"]["tokens"]
-        # (the plain request found its prompt cached: its first token came from a decode row, which reads
-        # the prompt's K/V back from the f16 cache where a prefill chunk attends its own in f32)
+        # (the plain request found its prompt cached: its first token came from a decode row, other
+        # kernels than a prefill chunk's, other summation orders)
         np.testing.assert_allclose(lp["token_logprobs"][len(IDS):], plain["logprobs"]["token_logprobs"], atol=5e-3)
         if _ == 0:
             first = lp["token_logprobs"]
@@ -105,7 +107,7 @@ def test_scores_are_the_same_in_small_chunks(app, monkeypatch):
     monkeypatch.setattr(scheduler_module, "SCORED_LOGITS", 16 * app.engine("tiny").spec.n_vocab)
     chunked = score(app, IDS * 3, max_tokens=0)[1]["choices"][0]["logprobs"]["token_logprobs"]
     assert whole[0] is None and chunked[0] is None and len(chunked) == len(IDS) * 3
-    # (a later chunk reads the earlier chunks' K/V from the f16 cache, as any chunked prompt does)
+    # (chunks of other sizes take other attention paths: other summation orders)
     np.testing.assert_allclose(chunked[1:], whole[1:], atol=1e-3)
 
 
@@ -130,3 +132,32 @@ def test_a_one_token_prompt_has_nothing_to_score(app):
     assert status == 200
     lp = reply["choices"][0]["logprobs"]
     assert lp["token_logprobs"] == [None] and lp["top_logprobs"] == [None] and len(lp["tokens"]) == 1
+
+
+def test_scores_do_not_depend_on_what_else_runs(app):
+    """A scored prompt takes the same chunks alone or while another request decodes (where an
+    unscored prompt's chunks shrink to share the steps), so its scores are the same to the bit."""
+    ids = (IDS * 16)[:140]  # chunked as an unscored prompt's, one chunk alone and 128 + 12 beside a stream
+    body = {"model": "tiny", "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 0}
+    alone = app.post("/v1/completions", body)[1]["choices"][0]["logprobs"]
+    eos = app.engine("tiny").tokenizer.eog_ids
+
+    async def beside():
+        # a stream decoding before the scored request comes and after it is answered
+        async with app.client.request("/v1/completions", method="POST",
+                                      headers={"Content-Type": "application/json"}) as stream:
+            await stream.send(json.dumps({"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 250, "stream": True,
+                                          "temperature": 4.0, "top_k": 0, "top_p": 1.0, "seed": 3,
+                                          "logit_bias": {str(t): -100 for t in eos}}).encode())
+            await stream.send_complete()
+            await stream.receive()  # its first tokens: decoding
+            scored = await (await app.client.post("/v1/completions", json=body)).get_json()
+            rest = b""
+            while b"[DONE]" not in rest:
+                rest += await stream.receive()
+        return scored, rest.decode()
+
+    scored, rest = app.run(beside())
+    assert rest.count('"text"') > 10  # the stream went on decoding after the scored prompt was answered
+    got = scored["choices"][0]["logprobs"]
+    assert got["token_logprobs"] == alone["token_logprobs"] and got["top_logprobs"] == alone["top_logprobs"]
