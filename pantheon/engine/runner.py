@@ -449,7 +449,7 @@ class ModelRunner:
             keys[i], steps[i] = s.key, s.step
             if advance:
                 s.step += 1
-        want_top = any(s.params.logprobs and s.params.top_logprobs > 0 for s in sampling)
+        want_top = any(s.params.logprobs for s in sampling)  # the chosen token's log-probability too
         full = None
         if mask is not None:
             full = np.full((b, mask.shape[1]), -1, np.int32)

@@ -200,11 +200,13 @@ def top_candidates(x, width: int):
     return vals, jnp.take_along_axis(ids, at, axis=-1)
 
 
-def _sample_sorted(scaled, top_k, top_p, min_p, row_keys, width: int):
-    """temperature-scaled logits -> (sampled ids, the chosen one's probability among the kept
-    candidates, the first MAX_TOP_LOGPROBS candidates' ids and probabilities), restricted to the
-    `width` best candidates."""
-    vals, ids = top_candidates(scaled, width)  # descending
+def _sample_sorted(x, temperature, top_k, top_p, min_p, row_keys, width: int):
+    """logits -> (sampled ids, the chosen one's probability among the kept candidates, the first
+    MAX_TOP_LOGPROBS candidates' ids and probabilities), restricted to the `width` best candidates.
+    Only the candidates are divided by the temperature (dividing every logit was a pass over the
+    vocabulary each step: 0.06 ms of Gemma 3's 262k)."""
+    vals, ids = top_candidates(x, width)  # descending
+    vals = vals / jnp.maximum(temperature, 1e-6)[:, None]
     k = jnp.where(top_k <= 0, width, jnp.minimum(top_k, width))
     keep = jnp.arange(width)[None, :] < k[:, None]
     probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
@@ -258,15 +260,12 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     Order: logit bias, the repetition penalty (prompt and generated tokens, as vLLM and
     transformers apply it), presence and frequency penalties (generated tokens, OpenAI's), then
     greedy argmax or temperature -> top-k -> top-p -> min-p -> categorical. Logprobs are of the
-    unmodified model distribution.
+    unmodified model distribution, computed only with want_top (a row asked for logprobs: the
+    chosen token's, and its likeliest alternatives); without it `logprob` and the top arrays are zeros.
     A batch that is all greedy skips sampling; one whose top_k all fit CANDIDATES skips the sort."""
     n_vocab = logits.shape[-1]
     b = batch
     slots, temperature, top_k, top_p, keys, steps = b.slots, b.temperature, b.top_k, b.top_p, b.keys, b.steps
-    # log-probabilities as jax.nn.log_softmax computes them, (logit - max) - log(sum(exp(logits - max))),
-    # for the entries wanted only: the full [B, V] array is never written
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
     x = logits + state.bias[slots]
     # penalties only where a row has one: the counts' [B, V] gather and arithmetic are skipped
     def penalised():
@@ -284,7 +283,6 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
                               lambda: first_argmax(x).astype(jnp.int32))
 
     sampled_rows = temperature > 0
-    scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
     row_keys = jax.vmap(lambda kd, s: jax.random.fold_in(jax.random.wrap_key_data(kd), s))(keys, steps)
     needs_full = jnp.any(sampled_rows & ((top_k <= 0) | (top_k > CANDIDATES)))
     width = min(CANDIDATES, n_vocab)
@@ -292,15 +290,20 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
     none_sampled = lambda: (greedy_ids, jnp.zeros(rows, jnp.float32),  # noqa: E731
                             jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_TOP_LOGPROBS)))
     sample_any = lambda: jax.lax.cond(  # noqa: E731
-        needs_full, lambda: _sample_sorted(scaled, top_k, top_p, b.min_p, row_keys, n_vocab),
-        lambda: _sample_sorted(scaled, top_k, top_p, b.min_p, row_keys, width))
+        needs_full, lambda: _sample_sorted(x, temperature, top_k, top_p, b.min_p, row_keys, n_vocab),
+        lambda: _sample_sorted(x, temperature, top_k, top_p, b.min_p, row_keys, width))
     sampled, sampled_prob, sampled_post_ids, sampled_post = jax.lax.cond(jnp.any(sampled_rows), sample_any,
                                                                          none_sampled)
     tokens = jnp.where(sampled_rows, sampled, greedy_ids).astype(jnp.int32)
     tokens = jnp.where(b.forced >= 0, b.forced, tokens)
 
-    chosen_lp = ((jnp.take_along_axis(logits, tokens[:, None], axis=1) - top) - log_sum)[:, 0]
     if want_top:
+        # log-probabilities as jax.nn.log_softmax computes them, (logit - max) - log(sum(exp(logits - max))),
+        # for the entries wanted only: the full [B, V] array is never written (two passes over the
+        # vocabulary, skipped where no row asked: 0.2 ms of Gemma 3's step)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+        chosen_lp = ((jnp.take_along_axis(logits, tokens[:, None], axis=1) - top) - log_sum)[:, 0]
         top_lp, top_ids = top_candidates(logits, MAX_TOP_LOGPROBS)
         top_lp = (top_lp - top) - log_sum
         # a greedy row's sampler keeps its argmax alone: probability 1 (top_candidates' first is
@@ -313,6 +316,7 @@ def sample(logits, state: SamplerState, batch: SamplingBatch, want_top: bool = F
         forced_prob = jnp.sum(jnp.where(post_ids == tokens[:, None], post_probs, 0.0), axis=-1)
         post_prob = jnp.where(b.forced >= 0, forced_prob, post_prob)  # a forced token: as the sampler saw it
     else:
+        chosen_lp = jnp.zeros(rows, jnp.float32)
         top_lp = jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32)
         top_ids = jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32)
         post_ids, post_probs, post_prob = top_ids, top_lp, jnp.zeros(rows, jnp.float32)

@@ -152,7 +152,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     prompt = sorted(set(rng.choice(V, 40, replace=False).tolist()) | {int(np.argmax(logits[0]))})  # the best is seen
     r = 1.7
     p = SamplingParams(temperature=0, repetition_penalty=r, presence_penalty=0.3)
-    out, state = run(logits, [p], prompts=[prompt])
+    out, state = run(logits, [p], prompts=[prompt], want_top=True)
     expected = logits[0].astype(np.float64).copy()
     expected[prompt] = np.where(expected[prompt] > 0, expected[prompt] / r, expected[prompt] * r)
     assert int(out.tokens[0]) == int(np.argmax(expected)) != int(np.argmax(logits[0]))
@@ -174,7 +174,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
 def test_forced_token_replaces_the_choice_but_keeps_the_model_logprob():
     rng = np.random.default_rng()
     logits = rng.normal(size=(1, V)).astype(np.float32)
-    out, _ = run(logits, [SamplingParams(temperature=0)], forced=np.array([123], np.int32))
+    out, _ = run(logits, [SamplingParams(temperature=0)], forced=np.array([123], np.int32), want_top=True)
     assert int(out.tokens[0]) == 123
     lse = np.log(np.exp(logits[0] - logits.max()).sum()) + logits.max()
     assert abs(float(out.logprob[0]) - (logits[0, 123] - lse)) < 1e-5
@@ -209,3 +209,16 @@ def test_top_candidates_equal_a_full_top_k(vocab, width):
     vals, ids = jax.jit(top_candidates, static_argnums=1)(x, width)
     np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+
+
+def test_without_logprobs_no_log_softmax_is_taken():
+    """Where no row asked for logprobs (want_top off) the log-softmax over the vocabulary is
+    skipped: the logprob and top arrays are zeros, and the tokens are the same as with it."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, V)).astype(np.float32)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=4)]
+    off, _ = run(logits, params)
+    on, _ = run(logits, params, want_top=True)
+    assert np.array_equal(np.asarray(off.tokens), np.asarray(on.tokens))
+    assert not np.asarray(off.logprob).any() and not np.asarray(off.top_logprobs).any()
+    assert np.asarray(on.logprob).all()
