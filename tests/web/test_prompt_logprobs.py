@@ -161,3 +161,14 @@ def test_scores_do_not_depend_on_what_else_runs(app):
     assert rest.count('"text"') > 10  # the stream went on decoding after the scored prompt was answered
     got = scored["choices"][0]["logprobs"]
     assert got["token_logprobs"] == alone["token_logprobs"] and got["top_logprobs"] == alone["top_logprobs"]
+
+
+def test_every_choice_carries_the_prompts_scores(app):
+    """n choices share one prompt: its first choice scores it, every choice carries the entries,
+    each followed by its own tokens'."""
+    status, reply = score(app, IDS, max_tokens=2, n=2, temperature=1.0, seed=5)
+    assert status == 200 and [c["index"] for c in reply["choices"]] == [0, 1]
+    first, second = (c["logprobs"] for c in reply["choices"])
+    assert len(first["tokens"]) == len(second["tokens"]) == len(IDS) + 2
+    assert first["token_logprobs"][:len(IDS)] == second["token_logprobs"][:len(IDS)]
+    assert first["token_logprobs"][0] is None and all(v is not None for v in first["token_logprobs"][1:])
