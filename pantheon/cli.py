@@ -8,6 +8,7 @@ import sys
 
 from pantheon.config import KV_DTYPE_CHOICES, admin_token
 from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
+from pantheon.engine.memory import limit_thread_caches
 
 
 def _phase(message: str) -> None:
@@ -32,6 +33,7 @@ def _load_engine(args, ctx_cap: int = 4096, max_sessions: int = 1):
 
     path = _model_path(args.model)
     configure_jax()
+    limit_thread_caches()
     # refused before the load, as `serve` refuses one (a PoolError: one line, exit 1)
     ModelPool().admit(ModelConfig(path=path, name=path, ctx_cap=ctx_cap, max_sessions=max_sessions,
                                   numerics=args.numerics, kv_dtype=args.kv_dtype))

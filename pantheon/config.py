@@ -296,6 +296,11 @@ def environment_with_tcmalloc(library: str) -> dict[str, str] | None:
     return dict(os.environ, LD_PRELOAD=(library + " " + preload).strip())
 
 
+def thread_caches_configured() -> bool:
+    """Whether the operator sized tcmalloc's thread caches (its own variable): left as they say."""
+    return bool(os.environ.get("TCMALLOC_MAX_TOTAL_THREAD_CACHE_BYTES"))
+
+
 def disable_session_host_tier() -> None:
     """A model spread over several processes keeps no host tier (a slot's KV is spread over them):
     session_host_bytes() answers 0 from here on, in this process and what it starts."""

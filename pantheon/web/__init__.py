@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 from pantheon.config import ServeConfig, session_key
 from pantheon.engine.backend import accelerator_in_use, build_id, compiled_backend, configure_jax
 from pantheon.engine.events import failure_message
+from pantheon.engine.memory import limit_thread_caches
 from pantheon.engine.pool import ModelPool, PoolError
 from pantheon.web.errors import ApiError, answer_unknown_routes, error_response, request_class, type_of
 from pantheon.web.observe import note
@@ -176,6 +177,7 @@ def _lifecycle(app: Quart, state: ServerState, load_models: bool) -> None:
         install_drain(state)
         protocol_errors.install()
         configure_jax()
+        limit_thread_caches()
         if load_models:
             state.starting = [name for _, name in state.startup_models()]  # loading() from the first request on
             app.add_background_task(asyncio.to_thread, state.load_startup_models)
