@@ -44,5 +44,6 @@ def p_normalize(v: np.ndarray, p: int) -> np.ndarray:
     elif p == 2:
         norm = np.sqrt(np.sum(a * a, axis=-1, keepdims=True))
     else:
-        norm = np.sum(a ** p, axis=-1, keepdims=True) ** (1.0 / p)
+        with np.errstate(over="ignore"):  # past f64: inf (then a zero vector), as llama.cpp's pow
+            norm = np.sum(a ** float(p), axis=-1, keepdims=True) ** (1.0 / p)
     return (v / np.where(norm > 0, norm, np.inf)).astype(np.float32)

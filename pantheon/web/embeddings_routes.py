@@ -88,7 +88,7 @@ async def embedding_legacy():
     file's pooling is none."""
     body, engine, token_lists = await _request()
     norm = body.get("embd_normalize", 2)
-    if isinstance(norm, bool) or not isinstance(norm, int) or norm < -1:
+    if isinstance(norm, bool) or not isinstance(norm, int) or not -1 <= norm < 2**31:  # llama.cpp's int
         raise invalid("'embd_normalize' must be an integer: -1 (none), 0 (max absolute), 1 (taxicab), "
                       "2 (Euclidean) or a larger p (p-norm)")
     out = []

@@ -179,7 +179,9 @@ def test_llama_servers_legacy_embedding_route(app):
     for p, scale in ((0, np.abs(raw).max() / 32760), (1, np.abs(raw).sum()), (3, (np.abs(raw) ** 3).sum() ** (1 / 3))):
         got = app.post("/embedding", {"model": "tiny", "content": "hello", "embd_normalize": p})[1][0]["embedding"][0]
         np.testing.assert_allclose(got, raw / scale, rtol=1e-5, atol=1e-6)
-    for bad in ("2", -2, 1.5, True):
+    big = app.post("/embedding", {"model": "tiny", "content": "hello", "embd_normalize": 2**31 - 1})[1][0]["embedding"][0]
+    assert not any(big)  # the p-norm overflows to infinity: a zero vector, as llama.cpp's pow gives
+    for bad in ("2", -2, 1.5, True, 2**31, 10**40):
         status, reply, _ = app.post("/embedding", {"model": "tiny", "content": "hello", "embd_normalize": bad})
         assert status == 400 and "embd_normalize" in reply["error"]["message"]
 
