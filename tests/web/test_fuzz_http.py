@@ -4,7 +4,7 @@ gets a 500; every status >= 400 carries the contract's error JSON; no body names
 class; and afterwards the server still answers GET / and a normal chat.
 
 Routes (pantheon/web/*_routes.py): POST /v1/chat/completions, /v1/completions, /v1/messages,
-/v1/messages/count_tokens (Anthropic's error shape), /v1/responses, /v1/embeddings, /tokenize,
+/v1/messages/count_tokens (Anthropic's error shape), /v1/responses, /v1/embeddings, /embedding, /tokenize,
 /detokenize, /completion and /infill (llama-server's own), /apply-template, /admin/models/load, /admin/models/unload, /admin/session/export, /session/restore,
 /session/release, /admin/test/faults (404 without PANTHEON_TEST_HOOKS); GET /, /v1/models,
 /v1/responses/{id}, /admin/models, /admin/dies, /session/estimate, /session/watch, /props, /slots.
@@ -195,6 +195,8 @@ RESPONSES_FIELDS = {
     "prompt_cache_key": either(st.sampled_from(SESSIONS))}
 EMBEDDING_FIELDS = {"model": CHAT_FIELDS["model"], "input": either(PROMPTS),
                     "encoding_format": either(st.sampled_from(["float", "base64", "x"])), "dimensions": either(INTS)}
+LEGACY_EMBEDDING_FIELDS = {"model": CHAT_FIELDS["model"], "content": either(PROMPTS), "input": either(PROMPTS),
+                           "embd_normalize": either(st.one_of(st.integers(-3, 5), INTS))}
 TOKENIZE_FIELDS = {"content": either(st.one_of(texts, st.lists(st.one_of(texts, INTS), max_size=4))),
                    "add_special": scalars, "parse_special": scalars, "with_pieces": scalars,
                    "model": CHAT_FIELDS["model"]}
@@ -260,6 +262,7 @@ POST_ROUTES = {CHAT: (NORMAL_CHAT, CHAT_FIELDS),
                "/v1/messages/count_tokens": (MESSAGES_BODY, MESSAGES_FIELDS),
                "/v1/responses": ({"model": "tiny", "input": "hello", "max_output_tokens": 2}, RESPONSES_FIELDS),
                "/v1/embeddings": ({"model": "tiny", "input": "hello"}, EMBEDDING_FIELDS),
+               "/embedding": ({"model": "tiny", "content": "hello"}, LEGACY_EMBEDDING_FIELDS),
                "/tokenize": ({"content": "hello"}, TOKENIZE_FIELDS),
                "/detokenize": ({"tokens": [1, 2]}, DETOKENIZE_FIELDS),
                "/completion": ({"prompt": "hello", "n_predict": 2}, NATIVE_FIELDS),
