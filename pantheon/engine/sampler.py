@@ -140,16 +140,15 @@ def prompt_scores(logits: np.ndarray, targets: list[int], k: int) -> PromptScore
         lse = peak[:, 0] + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64)).astype(np.float32)
         rows = np.arange(len(x))
         out.logprob[r0:r0 + len(x)] = x[rows, np.asarray(targets[r0:r0 + len(x)])] - lse
+        if not k:
+            continue
         if k == 1:  # the common ask (is the prompt's token the greedy one?): an argmax, ~100x argpartition
             ids = x.argmax(axis=1)[:, None]
-            out.top_ids[r0:r0 + len(x)] = ids
-            out.top_logprobs[r0:r0 + len(x)] = np.take_along_axis(x, ids, axis=1) - lse[:, None]
-        elif k:
+        else:
             part = np.argpartition(-x, k - 1, axis=1)[:, :k] if k < x.shape[1] else np.tile(np.arange(x.shape[1]), (len(x), 1))
-            order = np.lexsort((part, -np.take_along_axis(x, part, axis=1)), axis=1)
-            ids = np.take_along_axis(part, order, axis=1)
-            out.top_ids[r0:r0 + len(x)] = ids
-            out.top_logprobs[r0:r0 + len(x)] = np.take_along_axis(x, ids, axis=1) - lse[:, None]
+            ids = np.take_along_axis(part, np.lexsort((part, -np.take_along_axis(x, part, axis=1)), axis=1), axis=1)
+        out.top_ids[r0:r0 + len(x)] = ids
+        out.top_logprobs[r0:r0 + len(x)] = np.take_along_axis(x, ids, axis=1) - lse[:, None]
     return out
 
 
