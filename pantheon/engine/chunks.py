@@ -1,6 +1,6 @@
-"""How a prompt is cut into prefill chunks: the chunk buckets (one compiled program each), and how
-many tokens the next chunk takes (`chunk_length`), by what a padded row costs on this model's
-kernels (`padding_is_free`)."""
+"""How a prompt is cut into prefill chunks: the chunk buckets (one compiled program each), the most
+a chunk may take by what else runs (`chunk_budget`), and how many tokens the next chunk takes
+(`chunk_length`), by what a padded row costs on this model's kernels (`padding_is_free`)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,29 @@ def chunk_length(remaining: int, limit: int, padding_free: bool = False) -> int:
     if n < remaining or full is None or padding_free:
         return n
     return full if full + CHUNK_SPLIT_ROWS + _prefill_rows(n - full) < bucket_for(n, CHUNK_BUCKETS) else n
+
+
+STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
+SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
+SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
+SCORED_CHUNK = 64  # a scored prompt's chunks, whatever else runs: its scores do not depend on the load
+SCORED_LOGITS = 2**24  # ... and fewer where their logits (every row's come back) would pass 64 MiB
+
+
+def chunk_budget(prefill_at: int, alone: bool, scored_vocab: int = 0) -> int:
+    """The most tokens a prompt's next chunk may take (chunk_length's `limit`), its first `prefill_at`
+    tokens done: STEP_TOKENS when the prompt has the device to itself (`alone`). Shared with other
+    sequences, a chunk is bounded in tokens and in attention work (chunk x keys attended): deep into
+    a long prompt each token attends to thousands of keys, and a fixed-size chunk would stall
+    everyone else's step for seconds. A scored prompt (scored_vocab: its vocabulary's size) takes
+    the same chunks alone or beside others (other chunkings move scores by up to ~2e-3, measured on
+    SmolLM2: other kernels, other summation orders), bounded in bytes too: every row's logits come back."""
+    if scored_vocab:
+        return max([b for b in CHUNK_BUCKETS if b <= SCORED_CHUNK and b * scored_vocab <= SCORED_LOGITS],
+                   default=CHUNK_BUCKETS[0])
+    if alone:
+        return STEP_TOKENS
+    return next((t for t in SHARED_CHUNKS if t * (prefill_at + t) <= SHARED_STEP_KEYS), SHARED_CHUNKS[-1])
 
 
 def padding_is_free(spec: ModelSpec, params) -> bool:

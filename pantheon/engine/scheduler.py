@@ -8,10 +8,10 @@ loop is
     postprocess(plan, out)    each sampled token goes through its sequence's policy
 
 A step spends a bounded token budget: every decoding sequence's one token plus, when a prompt is
-waiting to be prefilled, one chunk of it — `STEP_TOKENS` while nothing else is in flight; when
-other sequences decode or prefill beside it, at most 128 tokens and at most `SHARED_STEP_KEYS`
-tokens x keys of attention work (so a step stays short deep into a long prompt). Prompts being prefilled take
-turns chunk by chunk (round robin), so a short request's first token never waits for a long
+waiting to be prefilled, one chunk of it (chunks.chunk_budget) — `STEP_TOKENS` while nothing else
+is in flight; when other sequences decode or prefill beside it, at most 128 tokens and at most
+`SHARED_STEP_KEYS` tokens x keys of attention work (so a step stays short deep into a long
+prompt). Prompts being prefilled take turns chunk by chunk (round robin), so a short request's first token never waits for a long
 prompt to finish, and running streams keep producing a token every step.
 
 A failed device step fails only the requests in it: the runner's state stays consistent layer by
@@ -36,7 +36,7 @@ from jax.profiler import TraceAnnotation
 from pantheon.engine.events import (Admitted, ChoiceEnd, Delta, PromptLogprobs, PromptProgress, RequestEnd, RequestError,
                                     TokenInfo, failure_message)
 from pantheon.engine.memory import release_free_memory
-from pantheon.engine.chunks import CHUNK_BUCKETS, chunk_length
+from pantheon.engine.chunks import chunk_budget, chunk_length
 from pantheon.engine.runner import DecodeWork, ModelRunner, PrefillWork, StepOutput, StepWork
 from pantheon.engine.sequence import Outcome, RequestState, Sequence, TokenPolicy
 from pantheon.engine.sessions import CapacityError, Slot, SlotTable
@@ -46,11 +46,6 @@ log = logging.getLogger(__name__)
 
 THINK_CLOSE = "</think>\n\n"
 QUEUE_WAIT_S = 30.0
-STEP_TOKENS = 512  # a prompt alone on the device prefills in chunks of this many tokens
-SHARED_CHUNKS = (128, 64, 16)  # ... and in chunks of one of these while other sequences are in flight,
-SCORED_CHUNK = 64  # a scored prompt's chunks, whatever else runs: its scores do not depend on the load
-SCORED_LOGITS = 2**24  # ... and fewer where their logits (every row's come back) would pass 64 MiB
-SHARED_STEP_KEYS = 128 * 2048  # the largest whose chunk tokens x keys attended stays within this
 MAINTENANCE_S = 1.0
 
 
@@ -253,17 +248,8 @@ class Scheduler:
         return plan
 
     def _chunk_size(self, seq: Sequence) -> int:
-        """STEP_TOKENS when the prompt has the device to itself. Shared with other sequences, a chunk
-        is bounded in tokens and in attention work (chunk x keys attended): deep into a long prompt
-        each token attends to thousands of keys, and a fixed-size chunk would stall everyone else's
-        step for seconds."""
-        if self._scored(seq):  # the same chunks alone or beside others (other chunkings move scores by up
-            # to ~2e-3, measured on SmolLM2: other kernels, other summation orders), bounded in bytes too
-            v = self.engine.spec.n_vocab
-            return max([b for b in CHUNK_BUCKETS if b <= SCORED_CHUNK and b * v <= SCORED_LOGITS], default=CHUNK_BUCKETS[0])
-        if len(self.running) == 1:
-            return STEP_TOKENS
-        return next((t for t in SHARED_CHUNKS if t * (seq.prefill_at + t) <= SHARED_STEP_KEYS), SHARED_CHUNKS[-1])
+        return chunk_budget(seq.prefill_at, alone=len(self.running) == 1,
+                            scored_vocab=self.engine.spec.n_vocab if self._scored(seq) else 0)
 
     @staticmethod
     def _scored(seq: Sequence) -> bool:
@@ -322,7 +308,7 @@ class Scheduler:
             session = req.session_id if seq.index == 0 else None
             try:
                 # a scored prompt runs from its first token: a cached prefix has no logits to score
-                got = self.table.acquire(session, req.prompt_ids, use_cache=seq.index == 0 and req.prompt_logprobs is None)
+                got = self.table.acquire(session, req.prompt_ids, use_cache=seq.index == 0 and not self._scored(seq))
             except CapacityError:
                 rate = self.engine.prefill_rate()
                 self._fail(seq.state, RequestError(
@@ -382,7 +368,7 @@ class Scheduler:
             seq.history.extend(plan.chunk)
             self._progress(seq, seq.prefill_at)
             if out.scores is not None:
-                self._scores(seq, plan.chunk, out.scores)
+                self._scores(seq, plan.work.prefill.targets, out.scores)
             if out.prefill is not None:
                 self._accept(seq, out.prefill, 0, policy)
         for s in plan.decode:
@@ -444,11 +430,9 @@ class Scheduler:
             self._fail(st, RequestError(failure.type, failure.message))
 
     # ---- events -----------------------------------------------------------------------------------------
-    def _scores(self, seq: Sequence, chunk: list[int], scores) -> None:
-        """A scored chunk's entries; once the prompt is done, the PromptLogprobs event (before the
-        first token's Delta)."""
-        first = seq.prefill_at - len(chunk) + 1  # the prompt index of the chunk's first target
-        targets = seq.request.prompt_ids[first:first + len(scores.logprob)]
+    def _scores(self, seq: Sequence, targets: list[int], scores) -> None:
+        """A scored chunk's entries (`targets`: the prompt tokens it scored, PrefillWork.targets);
+        once the prompt is done, the PromptLogprobs event (before the first token's Delta)."""
         seq.prompt_scores.extend(
             TokenInfo(int(t), float(lp), [(int(i), float(v)) for i, v in zip(ids, lps)])
             for t, lp, ids, lps in zip(targets, scores.logprob, scores.top_ids, scores.top_logprobs))

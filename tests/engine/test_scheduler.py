@@ -17,7 +17,8 @@ from pantheon.engine.events import Admitted, ChoiceEnd, Delta, RequestEnd, Reque
 from pantheon.engine.events import GenerationRequest
 from pantheon.faults import FAULTS
 from pantheon.engine.sampler import SamplingParams
-from pantheon.engine.scheduler import SHARED_CHUNKS, Scheduler
+from pantheon.engine.chunks import SHARED_CHUNKS
+from pantheon.engine.scheduler import Scheduler
 from tests.fixtures.tiny_models import write_tiny_llama
 
 NO_END = ((0, -100.0), (2, -100.0))  # the tiny vocabulary's end-of-generation ids

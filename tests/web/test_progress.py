@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pantheon.engine.scheduler import STEP_TOKENS
+from pantheon.engine.chunks import STEP_TOKENS
 from tests.fixtures.tiny_models import write_tiny_llama
 from tests.web.inprocess import InProcessApp
 

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from pantheon.engine import scheduler as scheduler_module
+from pantheon.engine import chunks as chunks_module
 from pantheon.engine.sampler import prompt_scores
 from tests.web.inprocess import tiny_app
 
@@ -104,7 +104,8 @@ def test_scores_are_the_same_in_small_chunks(app, monkeypatch):
     one-chunk scores: each chunk's first target is the token after it (an off-by-one would move every
     score by whole nats)."""
     whole = score(app, IDS * 3, max_tokens=0)[1]["choices"][0]["logprobs"]["token_logprobs"]
-    monkeypatch.setattr(scheduler_module, "SCORED_LOGITS", 16 * app.engine("tiny").spec.n_vocab)
+    monkeypatch.setattr(chunks_module, "SCORED_LOGITS", 16 * app.engine("tiny").spec.n_vocab)
+    assert chunks_module.chunk_budget(0, alone=True, scored_vocab=app.engine("tiny").spec.n_vocab) == 16
     chunked = score(app, IDS * 3, max_tokens=0)[1]["choices"][0]["logprobs"]["token_logprobs"]
     assert whole[0] is None and chunked[0] is None and len(chunked) == len(IDS) * 3
     # (chunks of other sizes take other attention paths: other summation orders)
