@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pantheon.config import KV_DTYPE_CHOICES, admin_token
 from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
 from pantheon.engine.memory import limit_thread_caches
+from pantheon.text.chat_template import BUILTIN_TEMPLATES
 
 
 def _phase(message: str) -> None:
@@ -39,7 +41,7 @@ def _load_engine(args, ctx_cap: int = 4096, max_sessions: int = 1):
                                   numerics=args.numerics, kv_dtype=args.kv_dtype))
     _phase(f"loading model {path} ({args.numerics} numerics, {args.kv_dtype} KV)...")
     config = ModelConfig(path=path, ctx_cap=ctx_cap, max_sessions=max_sessions, numerics=args.numerics,
-                         kv_dtype=args.kv_dtype)
+                         kv_dtype=args.kv_dtype, chat_template=getattr(args, "chat_template", None))
     return Engine(config, Settings.from_env())
 
 
@@ -187,8 +189,6 @@ def cmd_router(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from pathlib import Path
-
     from pantheon.engine.profile import capture, trace_files
 
     engine = _load_engine(args)
@@ -271,8 +271,6 @@ def _unit_float(text: str) -> float:
 
 
 def _gguf_file(text: str) -> str:
-    from pathlib import Path
-
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
     return text
@@ -341,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
         sp.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto", help=KV_DTYPE_HELP)
 
+    def chat_template_args(sp):
+        sp.add_argument("--chat-template", metavar="NAME|JINJA", default=None,
+                        help=f"the chat template in place of the file's: one of {', '.join(BUILTIN_TEMPLATES)} "
+                             "(llama.cpp's names) or a Jinja template's text (default: the file's "
+                             "tokenizer.chat_template; a file without one serves raw completions only)")
+        sp.add_argument("--chat-template-file", metavar="PATH", default=None,
+                        help="read the chat template's Jinja text from this file (default: none)")
+
     g = add("generate", help="generate a completion for one prompt")
     model_args(g)
     g.add_argument("--max-tokens", type=_positive_int, default=256, help="tokens to generate at most")
@@ -348,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_unit_float, default=0.95, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--top-k", type=_non_negative_int, default=40, help="sample among the k likeliest tokens; 0: all")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh random seed)")
+    chat_template_args(g)
     g.add_argument("--raw", action="store_true", help="feed PROMPT as-is instead of one chat user message")
     g.add_argument("--json", action="store_true", help='print {"text", "tokens", "prompt_tokens"}')
     g.add_argument("--tokens", help="a JSON list of prompt token ids, fed as-is instead of PROMPT (default: none)")
@@ -398,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
     s.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
                    help=KV_DTYPE_HELP.replace("(default: auto", "(default: $PANTHEON_KV_DTYPE, else auto"))
+    chat_template_args(s)
     s.add_argument("--name", action="append", default=[],
                    help="served name for the matching --model (default: the file name without .gguf)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -457,6 +465,13 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.command == "serve" and (args.coordinator or args.num_processes > 1 or args.process_id):
         if not args.coordinator or args.num_processes < 2 or args.process_id >= args.num_processes:
             sp.error("--coordinator HOST:PORT needs --num-processes N >= 2 and --process-id in [0, N)")
+    if getattr(args, "chat_template_file", None):
+        if args.chat_template:
+            sp.error("give --chat-template or --chat-template-file, not both")
+        try:
+            args.chat_template = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            sp.error(f"--chat-template-file {args.chat_template_file}: {e.strerror if isinstance(e, OSError) else e}")
     if args.command != "generate":
         return
     if args.tokens is None:

@@ -56,6 +56,7 @@ class ModelConfig:
     quantize: bool = False
     numerics: str = "exact"  # batch-invariant f32; "llamacpp" rounds activations like llama.cpp's CPU path
     kv_dtype: str = "auto"  # model/dtypes.kv_cache_dtype: f16 on the CPU, bf16 on a GPU
+    chat_template: str | None = None  # --chat-template: a builtin's name or Jinja source; None: the file's
 
     @property
     def max_concurrent_configured(self) -> int:
@@ -104,6 +105,7 @@ class ServeConfig:
     dies: tuple[int, ...] | None = None
     numerics: str = "exact"
     kv_dtype: str = "auto"
+    chat_template: str | None = None  # every model's template in place of its file's (--chat-template)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_token: str | None = None  # None: /admin/* open (the contract's default)
     api_key: str | None = None  # None: the inference routes open (the contract's default)
@@ -133,7 +135,7 @@ class ServeConfig:
         return ModelConfig(path=path, name=served, ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
                            reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics,
-                           kv_dtype=self.kv_dtype)
+                           kv_dtype=self.kv_dtype, chat_template=self.chat_template)
 
 
 _session_key: bytes | None = None

@@ -96,6 +96,9 @@ def test_version_prints_the_package_version():
     (["profile", "--requests", "0"], "--requests: must be a positive integer"),
     (["serve", "--port", "70000"], "--port: must be a port number"),
     (["serve", "--max-sessions", "0"], "--max-sessions: must be a positive integer"),
+    (["serve", "--chat-template-file", "/nonexistent/t.jinja"], "--chat-template-file /nonexistent/t.jinja: No such file"),
+    (["generate", "--chat-template", "chatml", "--chat-template-file", __file__, "hi"],
+     "give --chat-template or --chat-template-file, not both"),
 ])
 def test_bad_arguments_fail_at_once_in_one_line(argv, expected):
     """Before any model loads or jax imports: one line on stderr, exit code 2 (measured ~0.1 s each,

@@ -269,11 +269,12 @@ def _response_format(engine, rf: dict | None, prompt: _Prompt) -> _Format:
         return _Format(status="ignored_tools_present")
     if kind == "text":
         return _Format(status="applied")
-    if kind == "json_object":
+    if kind == "json_object" and not isinstance(rf.get("schema"), dict):
         return _Format(factory.json_object_grammar(rule), json_constrained=True)
-    if kind == "json_schema":
+    if kind in ("json_object", "json_schema"):
+        # llama-server's json_object takes a "schema" beside its type, and enforces it
         spec = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
-        schema = spec.get("schema", spec if "type" in spec else None)
+        schema = rf["schema"] if kind == "json_object" else spec.get("schema", spec if "type" in spec else None)
         if not isinstance(schema, dict):
             return _Format(factory.json_object_grammar(rule), json_constrained=True, downgraded=True)
         grammar = factory.json_schema_grammar(schema, rule)

@@ -74,15 +74,19 @@ class Throughput:
         return sum(r[1] for r in recent) / seconds if seconds > 0 else 0.0
 
 
-def text_of(gguf: GGUFFile, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
-    """The file's tokenizer and chat template. Their problems refuse the file (a GGUFError), before
-    anything touches the device. A base model's file may hold no chat template: it serves raw
-    completions only (/v1/completions, `generate --raw`); chat turns get a 400 that says so."""
+def text_of(gguf: GGUFFile, path: Path, chat_template: str | None = None) -> tuple[Tokenizer, ChatTemplate | None]:
+    """The file's tokenizer and chat template, or `chat_template` in its place (--chat-template: a
+    builtin's name or Jinja source). Their problems refuse the file (a GGUFError), before anything
+    touches the device. A base model's file may hold no chat template: it serves raw completions
+    only (/v1/completions, `generate --raw`) unless given one; chat turns get a 400 that says so."""
     try:
         tokenizer = Tokenizer.from_gguf(gguf)
         template = None
-        if gguf.metadata.get("tokenizer.chat_template"):
+        if chat_template:
+            template = ChatTemplate.given(chat_template, tokenizer)
+        elif gguf.metadata.get("tokenizer.chat_template"):
             template = ChatTemplate.from_gguf(gguf, tokenizer)
+        if template is not None:
             template.probe()
         return tokenizer, template
     except GGUFError:
@@ -123,7 +127,7 @@ class Engine:
         self.gguf: GGUFFile = open_gguf(self.path)
         self.spec: ModelSpec = spec_from_gguf(self.gguf)
         self.name = config.name or self.path.name.removesuffix(".gguf")
-        self.tokenizer, self.template = text_of(self.gguf, self.path)
+        self.tokenizer, self.template = text_of(self.gguf, self.path, config.chat_template)
         self.think = think_mode(self.template.source if self.template else None)
         self.ctx_configured = config.ctx_cap if config.ctx_cap > 0 else self.spec.ctx_train
         self.ctx = min(self.ctx_configured, self.spec.ctx_train)

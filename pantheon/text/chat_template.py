@@ -45,6 +45,38 @@ class ChatTemplateError(ValueError):
     """The chat template cannot be compiled or rendered for these messages."""
 
 
+# `--chat-template NAME`: common formats by llama.cpp's names (src/llama-chat.cpp renders them the
+# same way), for files that carry no template (base models) or a wrong one; any other value is read
+# as Jinja source. Each opens with bos_token, which a builtin gets only where the vocabulary adds a
+# BOS to a prompt (tokenizer.ggml.add_bos_token), as llama.cpp tokenizes its builtins' output.
+def _system_into_first_turn(trim: bool) -> str:
+    return ("{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content']" + (" | trim" if trim else "")
+            + " + '\n\n' %}{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}"
+            "{% endif %}")
+
+
+BUILTIN_TEMPLATES = {
+    "chatml": "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+              "message['content'] + '<|im_end|>\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "llama3": "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+              "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+    # Gemma has no system role: a system message opens the first user turn
+    "gemma": "{{ bos_token }}" + _system_into_first_turn(True) + "{% for message in turns %}{{ '<start_of_turn>' + "
+             "('model' if message['role'] == 'assistant' else message['role']) + '\n' + (prefix if loop.first "
+             "else '') + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}",
+    "phi3": "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + "
+            "'<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}",
+    # Mistral's [INST] turns (llama.cpp's mistral-v1); a system message opens the first one
+    "mistral-v1": "{{ bos_token }}" + _system_into_first_turn(False) + "{% for message in turns %}"
+                  "{% if message['role'] == 'assistant' %}{{ ' ' + message['content'] + '</s>' }}{% else %}"
+                  "{{ ' [INST] ' + (prefix if loop.first else '') + message['content'] + ' [/INST]' }}{% endif %}"
+                  "{% endfor %}",
+}
+
+
 class _GenerationTag(Extension):
     """`{% generation %}...{% endgeneration %}` (HF assistant-mask marker): renders its body unchanged."""
     tags = {"generation"}
@@ -159,6 +191,22 @@ class ChatTemplate:
         source = meta.get(key)
         if not source:
             raise ChatTemplateError(f"GGUF has no {key}")
+        return cls.for_vocabulary(source, tokenizer)
+
+    @classmethod
+    def given(cls, value: str, tokenizer) -> ChatTemplate:
+        """`--chat-template`'s value: a builtin's name (BUILTIN_TEMPLATES), else Jinja source."""
+        builtin = BUILTIN_TEMPLATES.get(value.strip().lower())
+        if builtin is None:
+            return cls.for_vocabulary(value, tokenizer)
+        template = cls.for_vocabulary(builtin, tokenizer)
+        if not tokenizer.add_bos:
+            template.bos_token = ""
+        return template
+
+    @classmethod
+    def for_vocabulary(cls, source: str, tokenizer) -> ChatTemplate:
+        """`source` (a template's Jinja text) with the vocabulary's bos/eos/unk/pad text."""
 
         def text(tid):
             return tokenizer.token_text(tid) if tid is not None else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from pathlib import Path
 
 from quart import Quart, Response, request
@@ -41,6 +42,7 @@ class ServerState:
         self.pool = ModelPool()
         self.backend = compiled_backend()
         self.build = build_id()
+        self.started = int(time.time())  # llama-server's Process-Start-Time-Unix on /metrics
         self.shutting_down = False
         self.load_errors: list[dict] = []  # start-up loads that failed: {"model", "path", "error"}
         self.admitting = 0  # chat requests past the shutdown check and not yet admitted by an engine

@@ -72,6 +72,9 @@ def load_config(body) -> ModelConfig:
         raise invalid("'numerics' must be \"exact\" or \"llamacpp\"")
     if kv_dtype not in KV_DTYPE_CHOICES:
         raise invalid(f"'kv_dtype' must be one of {', '.join(KV_DTYPE_CHOICES)}")
+    template = body.get("chat_template", defaults.chat_template)
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise invalid("'chat_template' must be a builtin template's name (chatml, llama3, ...) or Jinja text")
     ctx_cap, max_sessions = _opt_int(body, "ctx_cap"), _opt_int(body, "max_sessions")
     max_concurrent, budget = _opt_int(body, "max_concurrent"), _opt_int(body, "reasoning_budget")
     return replace(defaults, path=opened, ctx_cap=ctx_cap if ctx_cap > 0 else defaults.ctx_cap,
@@ -79,7 +82,7 @@ def load_config(body) -> ModelConfig:
                    max_concurrent=max_concurrent if max_concurrent > 0 else defaults.max_concurrent,
                    reasoning_budget=budget if budget > 0 else defaults.reasoning_budget,
                    dies=tuple(dies) if dies else defaults.dies, quantize=bool(body.get("quantize", False)),
-                   numerics=numerics, kv_dtype=kv_dtype)
+                   numerics=numerics, kv_dtype=kv_dtype, chat_template=template)
 
 
 @bp.route("/admin/models/load", methods=["POST"])

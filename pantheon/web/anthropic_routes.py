@@ -7,18 +7,17 @@ Anthropic's shape (errors.error_response). Headers `x-api-key`, `anthropic-versi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 
-from quart import Blueprint, current_app, request
+from quart import Blueprint, request
 
-from pantheon.engine.chat import PlanError, count_prompt_tokens, plan_chat
+from pantheon.engine.chat import plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, RequestEnd, RequestError
 from pantheon.web.chat_request import ChatRequest, function_tools, joined_text, sampling_fields
 from pantheon.web.errors import anthropic_error_body, invalid, json_body, status_of
 from pantheon.web import sse
-from pantheon.web.generation import Choice, collect_one, plan_and_submit
+from pantheon.web.generation import Choice, collect_one, count_input_tokens, plan_and_submit
 
 bp = Blueprint("anthropic", __name__)
 
@@ -184,13 +183,7 @@ async def messages():
 
 @bp.route("/v1/messages/count_tokens", methods=["POST"])
 async def count_tokens():
-    chat = parse_messages_request(await json_body(), counting=True)
-    engine = current_app.pantheon.resolve(chat.model)
-    try:
-        n = await asyncio.to_thread(count_prompt_tokens, engine, chat)
-    except PlanError as e:
-        raise invalid(str(e)) from None
-    return {"input_tokens": n}
+    return {"input_tokens": await count_input_tokens(parse_messages_request(await json_body(), counting=True))}
 
 
 def _event(name: str, payload: dict) -> bytes:

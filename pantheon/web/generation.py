@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from quart import current_app
 
-from pantheon.engine.chat import ChatPlan, PlanError, PromptOverBudget
+from pantheon.engine.chat import ChatPlan, PlanError, PromptOverBudget, count_prompt_tokens
 from pantheon.engine.events import (Admitted, ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError, Timings,
                                     failure_message)
 from pantheon.engine.scheduler import BusyError, MemoryConstrained
@@ -29,6 +29,16 @@ def raise_for(err: RequestError):
                    {"Retry-After": str(retry)} if retry is not None else None,
                    **{k: err.fields[k] for k in ("kv_used", "kv_cap") if k in err.fields})
 
+
+
+async def count_input_tokens(chat) -> int:
+    """The prompt a request would prefill, in tokens, with nothing generated: Anthropic's
+    count_tokens, OpenAI's responses.input_tokens and llama-server's chat input_tokens."""
+    engine = current_app.pantheon.resolve(chat.model)
+    try:
+        return await asyncio.to_thread(count_prompt_tokens, engine, chat)
+    except PlanError as e:
+        raise invalid(str(e)) from None
 
 
 def system_fingerprint() -> str:

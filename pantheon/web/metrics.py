@@ -185,5 +185,6 @@ class _LlamaServerCollector:
 
 @bp.route("/metrics", methods=["GET"])
 async def metrics():
-    body = current_app.pantheon.metrics.render()
-    return Response(body, content_type=CONTENT_TYPE_LATEST)
+    state = current_app.pantheon
+    return Response(state.metrics.render(), content_type=CONTENT_TYPE_LATEST,
+                    headers={"Process-Start-Time-Unix": str(state.started)})

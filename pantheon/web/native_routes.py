@@ -8,6 +8,7 @@ final one with `stop: true`, no `[DONE]` (as llama-server)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 
@@ -89,7 +90,8 @@ def _probs(engine, tokens, body: dict) -> list[dict]:
     """`completion_probabilities`: per token its log-probability and its n_probs likeliest
     alternatives under the model, or with `post_sampling_probs` the probabilities under the
     sampler's own distribution (after bias, penalties, temperature, top-k and top-p; a greedy
-    sampler keeps its argmax alone), as `prob` and `top_probs`."""
+    sampler keeps its argmax alone), as `prob` and `top_probs`: as llama-server, the list ends at
+    the first token the sampler could not draw (probability 0), so it may hold fewer than n_probs."""
     tok = engine.tokenizer
 
     def entry(i: int, value: float, key: str) -> dict:
@@ -98,10 +100,18 @@ def _probs(engine, tokens, body: dict) -> list[dict]:
                 key: max(value, -3.4028234663852886e38)}
 
     if body.get("post_sampling_probs") is True:
-        return [{**entry(t.token, t.prob, "prob"), "top_probs": [entry(i, p, "prob") for i, p in t.post]}
+        return [{**entry(t.token, t.prob, "prob"),
+                 "top_probs": [entry(i, p, "prob") for i, p in itertools.takewhile(lambda c: c[1] > 0.0, t.post)]}
                 for t in tokens]
     return [{**entry(t.token, t.logprob, "logprob"), "top_logprobs": [entry(i, lp, "logprob") for i, lp in t.top]}
             for t in tokens]
+
+
+def _bias_list(engine, chat: ChatRequest, body: dict) -> list[dict]:
+    """generation_settings' `logit_bias` as llama-server lists it: {token, bias} pairs, the end-of-
+    generation tokens `ignore_eos` bans with a null bias (its -infinity)."""
+    banned = set(engine.tokenizer.eog_ids) if body.get("ignore_eos") is True else set()
+    return [{"token": t, "bias": None if t in banned else b} for t, b in chat.logit_bias]
 
 
 def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, end: ChoiceEnd | None,
@@ -116,7 +126,8 @@ def _final(engine, chat: ChatRequest, body: dict, content: str, tokens: list, en
                                    "seed": chat.seed if chat.seed is not None else -1, "temperature": chat.temperature,
                                    "top_k": chat.top_k, "top_p": chat.top_p, "min_p": chat.min_p,
                                    "repeat_penalty": chat.repetition_penalty, "stop": chat.stop, "stream": chat.stream,
-                                   "n_probs": n_probs, "max_tokens": chat.max_tokens},
+                                   "n_probs": n_probs, "max_tokens": chat.max_tokens,
+                                   "ignore_eos": body.get("ignore_eos") is True, "logit_bias": _bias_list(engine, chat, body)},
            "prompt": engine.tokenizer.decode(chat.prompt), "has_new_line": "\n" in content, "truncated": False,
            "stop_type": stop_type, "stopping_word": (end.stop_string or "") if end else "",
            "tokens_cached": req_end.prompt_tokens + req_end.completion_tokens,

@@ -12,7 +12,7 @@ from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd,
 from pantheon.web import sse
 from pantheon.web.chat_request import ChatRequest, parse_chat_request
 from pantheon.web.errors import error_body, json_body
-from pantheon.web.generation import (collect, delta_timings, plan_and_submit, progress_fields, response_format_status,
+from pantheon.web.generation import (collect, count_input_tokens, delta_timings, plan_and_submit, progress_fields, response_format_status,
                                      system_fingerprint, timings)
 from pantheon.web.rows import public_row
 
@@ -48,6 +48,14 @@ async def chat_completions():
         return await _complete(chat, plan, meta, events, engine)
     finally:
         await events.aclose()
+
+
+@bp.route("/v1/chat/completions/input_tokens", methods=["POST"])
+@bp.route("/chat/completions/input_tokens", methods=["POST"])
+async def chat_input_tokens():
+    """llama-server's count of a chat request's prompt tokens (the template applied, tools rendered)."""
+    chat = parse_chat_request(await json_body(), request.headers.get("X-Session-Id"))
+    return {"object": "response.input_tokens", "input_tokens": await count_input_tokens(chat)}
 
 
 def _logprobs(engine, tokens) -> list[dict]:

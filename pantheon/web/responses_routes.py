@@ -21,8 +21,8 @@ from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd,
 from pantheon.web.chat_request import ChatRequest, function_tools, joined_text, sampling_fields
 from pantheon.web.errors import ApiError, invalid, json_body, json_safe
 from pantheon.web import sse
-from pantheon.web.generation import (Choice, collect_one, delta_timings, merge_tool_deltas, plan_and_submit,
-                                     progress_fields, response_format_status, timings)
+from pantheon.web.generation import (Choice, collect_one, count_input_tokens, delta_timings, merge_tool_deltas,
+                                     plan_and_submit, progress_fields, response_format_status, timings)
 from pantheon.web.response_store import Kept, ResponseStore
 
 bp = Blueprint("responses", __name__)
@@ -241,6 +241,14 @@ async def create_response():
         body["response_format_status"] = rf_status
     _keep(store(), meta, chat, ctx, choice, body)
     return body
+
+
+@bp.route("/v1/responses/input_tokens", methods=["POST"])
+@bp.route("/responses/input_tokens", methods=["POST"])
+async def input_tokens():
+    """OpenAI's responses.input_tokens.count: the prompt a create with this body would prefill."""
+    chat, _ = parse_responses_request(await json_body())
+    return {"object": "response.input_tokens", "input_tokens": await count_input_tokens(chat)}
 
 
 @bp.route("/v1/responses/<response_id>", methods=["GET"])

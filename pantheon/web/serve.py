@@ -101,6 +101,7 @@ def config_from_args(args) -> ServeConfig:
                        max_concurrent=pick(args.max_concurrent, env.max_concurrent),
                        reasoning_budget=pick(args.reasoning_budget, env.reasoning_budget), dies=dies,
                        numerics=args.numerics, kv_dtype=getattr(args, "kv_dtype", None) or env.kv_dtype,
+                       chat_template=getattr(args, "chat_template", None),
                        max_body_bytes=env.max_body_bytes,
                        admin_token=getattr(args, "admin_token", None) or env.admin_token,
                        api_key=getattr(args, "api_key", None) or env.api_key,

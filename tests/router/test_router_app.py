@@ -116,8 +116,10 @@ def test_streams_are_relayed_and_errors_are_the_contracts(env):
 def test_llama_server_introspection_is_forwarded(env):
     app, client, ups, run = env
     register(run, client, "a", free=2)
-    r = run(client.post("/apply-template", json={"model": "m", "messages": []}))
-    assert r.status_code == 200 and run(r.get_json())["path"] == "/apply-template"
+    for path in ("/apply-template", "/embedding", "/v1/chat/completions/input_tokens", "/v1/responses/input_tokens",
+                 "/v1/messages/count_tokens"):
+        r = run(client.post(path, json={"model": "m", "messages": []}))
+        assert r.status_code == 200 and run(r.get_json())["path"] == path
     r = run(client.get("/props?model=m"))
     assert r.status_code == 200 and run(r.get_json())["path"] == "/props"
     assert ups.seen[-1][:2] == ("a", "/props")

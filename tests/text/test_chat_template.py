@@ -109,3 +109,59 @@ def test_missing_template_in_gguf_is_chat_template_error(smollm2_tokenizer):
 
     with pytest.raises(ChatTemplateError, match="no tokenizer.chat_template"):
         ChatTemplate.from_gguf(Fake(), smollm2_tokenizer)
+
+
+# llama.cpp's tests/test-chat-template.cpp conversation and its expected output for each format
+CONVERSATION = [{"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "Who are you"},
+                {"role": "assistant", "content": "   I am an assistant   "},
+                {"role": "user", "content": "Another question"}]
+LLAMA_CPP_BUILTINS = {
+    "chatml": "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+              "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nWho are you<|im_end|>\n<|im_start|>"
+              "assistant\n   I am an assistant   <|im_end|>\n<|im_start|>user\nAnother question<|im_end|>\n"
+              "<|im_start|>assistant\n",
+    "llama3": "<|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant<|eot_id|><|start_header_id|>"
+              "user<|end_header_id|>\n\nHello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHi there"
+              "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWho are you<|eot_id|><|start_header_id|>assistant"
+              "<|end_header_id|>\n\nI am an assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nAnother "
+              "question<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "gemma": "<start_of_turn>user\nYou are a helpful assistant\n\nHello<end_of_turn>\n<start_of_turn>model\nHi there"
+             "<end_of_turn>\n<start_of_turn>user\nWho are you<end_of_turn>\n<start_of_turn>model\nI am an assistant"
+             "<end_of_turn>\n<start_of_turn>user\nAnother question<end_of_turn>\n<start_of_turn>model\n",
+    "phi3": "<|system|>\nYou are a helpful assistant<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there<|end|>\n"
+            "<|user|>\nWho are you<|end|>\n<|assistant|>\n   I am an assistant   <|end|>\n<|user|>\nAnother question"
+            "<|end|>\n<|assistant|>\n",
+    "mistral-v1": " [INST] You are a helpful assistant\n\nHello [/INST] Hi there</s> [INST] Who are you [/INST]    I am "
+                  "an assistant   </s> [INST] Another question [/INST]",
+}
+
+
+class _Vocabulary:
+    """What ChatTemplate reads of a tokenizer."""
+
+    def __init__(self, add_bos: bool):
+        self.add_bos, self.bos_id, self.eos_id, self.unk_id, self.pad_id = add_bos, 1, 2, None, None
+
+    def token_text(self, tid: int) -> str:
+        return {1: "<BOS>", 2: "<EOS>"}[tid]
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CPP_BUILTINS))
+def test_builtin_templates_render_as_llama_cpp_renders_them(name):
+    from pantheon.text.chat_template import BUILTIN_TEMPLATES
+
+    assert set(BUILTIN_TEMPLATES) == set(LLAMA_CPP_BUILTINS)
+    # llama.cpp tokenizes its builtins' text with the vocabulary's BOS, where it adds one
+    assert ChatTemplate.given(name, _Vocabulary(add_bos=False)).render(CONVERSATION) == LLAMA_CPP_BUILTINS[name]
+    assert ChatTemplate.given(name.upper(), _Vocabulary(add_bos=True)).render(CONVERSATION) == \
+        "<BOS>" + LLAMA_CPP_BUILTINS[name]
+    ChatTemplate.given(name, _Vocabulary(add_bos=True)).probe()
+
+
+def test_a_given_template_that_is_no_builtin_is_jinja_source():
+    given = ChatTemplate.given("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}",
+                               _Vocabulary(add_bos=False))
+    assert given.render(CONVERSATION[:2]) == "<BOS>[system]You are a helpful assistant[user]Hello"
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate.given("{% for m in messages %}", _Vocabulary(add_bos=False))

@@ -232,6 +232,14 @@ def test_native_completion(app):
     probs = body["completion_probabilities"][0]
     assert probs["id"] == body["tokens"][0] and len(probs["top_logprobs"]) == 3 and probs["logprob"] <= 0
     assert body["generation_settings"]["n_predict"] == 4 and body["has_new_line"] in (True, False)
+    assert body["generation_settings"]["logit_bias"] == [] and body["generation_settings"]["ignore_eos"] is False
+    # ignore_eos bans the end-of-generation tokens: llama-server lists them with a null (-inf) bias
+    status, body, _ = app.post("/completion", {"prompt": "hello", "n_predict": 2, "ignore_eos": True,
+                                               "logit_bias": [[5, 1.5]]})
+    eog = sorted(app.state.pool.resolve(None).tokenizer.eog_ids)
+    assert status == 200 and body["generation_settings"]["ignore_eos"] is True
+    assert sorted(body["generation_settings"]["logit_bias"], key=lambda e: e["token"]) == \
+        sorted([{"token": 5, "bias": 1.5}] + [{"token": t, "bias": None} for t in eog], key=lambda e: e["token"])
     # a top-level array with ids is one prompt; without, one result per prompt
     status, one, _ = app.post("/completion", {"prompt": [1, 5, "hello", 9], "n_predict": 2, "temperature": 0})
     assert status == 200 and isinstance(one, dict)
@@ -248,14 +256,13 @@ def test_native_completion_post_sampling_probs(app):
     req = {"prompt": "hello", "n_predict": 3, "n_probs": 5, "post_sampling_probs": True}
     status, body, _ = app.post("/completion", {**req, "temperature": 0})
     assert status == 200 and len(body["completion_probabilities"]) == 3
-    for t in body["completion_probabilities"]:  # greedy: the argmax alone
-        assert t["prob"] == 1.0 and "logprob" not in t and len(t["top_probs"]) == 5
-        assert t["top_probs"][0] == {"id": t["id"], "token": t["token"], "bytes": t["bytes"], "prob": 1.0}
-        assert all(p["prob"] == 0.0 for p in t["top_probs"][1:])
+    for t in body["completion_probabilities"]:  # greedy: the argmax alone, no token it cannot draw
+        assert t["prob"] == 1.0 and "logprob" not in t
+        assert t["top_probs"] == [{"id": t["id"], "token": t["token"], "bytes": t["bytes"], "prob": 1.0}]
     status, body, _ = app.post("/completion", {**req, "temperature": 1.0, "top_k": 3, "top_p": 1.0, "seed": 4})
-    for t in body["completion_probabilities"]:
+    for t in body["completion_probabilities"]:  # top-k 3: three candidates, as llama-server lists them
         probs = [p["prob"] for p in t["top_probs"]]
-        assert sum(probs[:3]) == pytest.approx(1.0, abs=1e-5) and probs[3:] == [0.0, 0.0]
+        assert len(probs) == 3 and sum(probs) == pytest.approx(1.0, abs=1e-5) and min(probs) > 0
         assert t["prob"] == next(p["prob"] for p in t["top_probs"] if p["id"] == t["id"]) > 0
     status, events = app.stream("/completion", {**req, "temperature": 0})
     assert all(e["completion_probabilities"][0]["prob"] == 1.0 for e in events[:-1])
@@ -302,6 +309,11 @@ def test_llama_servers_grammar_and_json_schema_constrain_the_answer(app):
               "required": ["n"], "additionalProperties": False}
     status, body, _ = app.post("/completion", {"prompt": "hello", "n_predict": 64, "seed": 1, "json_schema": schema})
     assert status == 200 and set(_json.loads(body["content"])) == {"n"}
+    # llama-server's json_object with a "schema" beside its type enforces that schema
+    status, body, _ = app.post("/v1/chat/completions", {**CHAT, "max_tokens": 64, "temperature": 1, "seed": 1,
+                                                        "response_format": {"type": "json_object", "schema": schema}})
+    assert status == 200 and body["response_format_status"] == "applied"
+    assert set(_json.loads(body["choices"][0]["message"]["content"])) == {"n"}
     for bad, says in (({"grammar": "root ::= ("}, "invalid 'grammar'"), ({"grammar": 5}, "'grammar' must be"),
                       ({"json_schema": "x"}, "'json_schema' must be"),
                       ({"grammar": grammar, "response_format": {"type": "json_object"}}, "cannot be combined")):

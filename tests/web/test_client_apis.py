@@ -42,6 +42,22 @@ def test_responses_create_answers_like_chat(oai):
     assert r.usage.input_tokens == 37 and r.usage.output_tokens == 7 and r.usage.total_tokens == 44
 
 
+def test_input_tokens_count_what_a_create_prefills(oai, smol_server):
+    """OpenAI's responses.input_tokens.count, and llama-server's chat twin, count the prompt a
+    create with the same body prefills (37 tokens for QUESTION under SmolLM2's template)."""
+    counted = oai.responses.input_tokens.count(model="smol", input=QUESTION)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == 37
+    with_tool = oai.responses.input_tokens.count(model="smol", input=QUESTION, tools=[WEATHER_TOOL],
+                                                 instructions="Be brief.")
+    assert with_tool.input_tokens > 37  # the tool's schema and the instructions are rendered
+    chat = {"model": "smol", "messages": [{"role": "user", "content": QUESTION}]}
+    for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+        r = httpx.post(smol_server.url + path, json=chat, timeout=60)
+        assert r.status_code == 200 and r.json() == {"object": "response.input_tokens", "input_tokens": 37}, r.text
+    r = httpx.post(smol_server.url + "/v1/chat/completions/input_tokens", json={"model": "smol", "messages": []}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_responses_max_output_tokens_is_incomplete(oai):
     r = oai.responses.create(model="smol", input=QUESTION, max_output_tokens=3, **GREEDY)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"

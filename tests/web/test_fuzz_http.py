@@ -3,8 +3,8 @@ for every POST route and query strings for the GET routes. Invariants: client-ca
 gets a 500; every status >= 400 carries the contract's error JSON; no body names a Python exception
 class; and afterwards the server still answers GET / and a normal chat.
 
-Routes (pantheon/web/*_routes.py): POST /v1/chat/completions, /v1/completions, /v1/messages,
-/v1/messages/count_tokens (Anthropic's error shape), /v1/responses, /v1/embeddings, /embedding, /tokenize,
+Routes (pantheon/web/*_routes.py): POST /v1/chat/completions (and its /input_tokens), /v1/completions,
+/v1/messages, /v1/messages/count_tokens (Anthropic's error shape), /v1/responses (and /input_tokens), /v1/embeddings, /embedding, /tokenize,
 /detokenize, /completion and /infill (llama-server's own), /apply-template, /admin/models/load, /admin/models/unload, /admin/session/export, /session/restore,
 /session/release, /admin/test/faults (404 without PANTHEON_TEST_HOOKS); GET /, /v1/models,
 /v1/responses/{id}, /admin/models, /admin/dies, /session/estimate, /session/watch, /props, /slots.
@@ -137,6 +137,8 @@ LOAD_FIELDS = {
     "path": either(LOAD_PATHS),
     "name": either(st.sampled_from(["tiny", "other"])), "dies": either(st.lists(INTS, max_size=10)),
     "ctx_cap": INTS, "max_sessions": INTS, "max_concurrent": INTS, "reasoning_budget": INTS, "quantize": scalars,
+    "chat_template": either(st.one_of(st.sampled_from(["chatml", "gemma", "{% for m in messages %}", "{{ x.y.z }}"]),
+                                      texts)),
 }
 UNLOAD_FIELDS = {"name": either(st.sampled_from(["nope", "", "other"])).filter(lambda v: v != "tiny")}
 SESSION_FIELDS = {"session_id": either(st.sampled_from(SESSIONS)), "name": either(st.sampled_from(["tiny", "x"])),
@@ -250,6 +252,7 @@ raw_bodies = st.one_of(
                                              b'{"messages": "\\ud800"}', b'"\\udfff"', b"1e99999", b"-Infinity"]))
 
 POST_ROUTES = {CHAT: (NORMAL_CHAT, CHAT_FIELDS),
+               CHAT + "/input_tokens": (NORMAL_CHAT, CHAT_FIELDS),
                "/admin/models/load": (st.fixed_dictionaries({"path": LOAD_PATHS, "name": st.just("other")}),
                                       LOAD_FIELDS),
                "/admin/models/unload": ({"name": "nope"}, UNLOAD_FIELDS),
@@ -261,6 +264,7 @@ POST_ROUTES = {CHAT: (NORMAL_CHAT, CHAT_FIELDS),
                "/v1/messages": (MESSAGES_BODY, MESSAGES_FIELDS),
                "/v1/messages/count_tokens": (MESSAGES_BODY, MESSAGES_FIELDS),
                "/v1/responses": ({"model": "tiny", "input": "hello", "max_output_tokens": 2}, RESPONSES_FIELDS),
+               "/v1/responses/input_tokens": ({"model": "tiny", "input": "hello"}, RESPONSES_FIELDS),
                "/v1/embeddings": ({"model": "tiny", "input": "hello"}, EMBEDDING_FIELDS),
                "/embedding": ({"model": "tiny", "content": "hello"}, LEGACY_EMBEDDING_FIELDS),
                "/tokenize": ({"content": "hello"}, TOKENIZE_FIELDS),

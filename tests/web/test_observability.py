@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -66,6 +67,8 @@ def scrape(app) -> dict:
     """{(name, frozenset(labels)): value} from /metrics, parsed by prometheus_client."""
     status, text, headers = get(app, "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
+    # llama-server's header: when the process started, unix seconds
+    assert 0 < time.time() - int(headers["process-start-time-unix"]) < 3600
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

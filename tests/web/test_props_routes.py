@@ -169,3 +169,36 @@ def test_min_p_and_repetition_penalty_reach_the_sampler_under_either_name(app):
     assert body["generation_settings"]["min_p"] == 0.2 and body["generation_settings"]["repeat_penalty"] == 0.01
     status, body, _ = app.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, "min_p": "x"})
     assert status == 400 and "min_p" in body["error"]["message"]
+
+
+def test_a_chat_template_given_at_serve_replaces_the_files(tmp_path_factory):
+    """serve --chat-template: a builtin by llama.cpp's name in place of the file's template, for
+    every served model; POST /admin/models/load takes its own (`chat_template`)."""
+    from pantheon.engine.chat import plan_chat
+    from pantheon.text.chat_template import BUILTIN_TEMPLATES
+    from pantheon.web.chat_request import parse_chat_request
+
+    given = tiny_app(tmp_path_factory, "given-template", chat_template="gemma")
+    try:
+        engine = given.engine()
+        bos = engine.tokenizer.token_text(engine.tokenizer.bos_id) if engine.tokenizer.add_bos else ""
+        status, body, _ = given.post("/apply-template", {"messages": HELLO})
+        assert status == 200 and body["prompt"] == bos + "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n"
+        assert given.get("/props")[1]["chat_template"] == BUILTIN_TEMPLATES["gemma"]
+        plan = plan_chat(engine, parse_chat_request({"messages": HELLO}))
+        assert plan.request.prompt_ids == engine.encode_prompt(body["prompt"])
+        status, row, _ = given.post("/admin/models/load", {"path": str(engine.path), "name": "tiny-llama3",
+                                                           "chat_template": "llama3"})
+        assert status == 200, row
+        status, body, _ = given.post("/apply-template", {"model": "tiny-llama3", "messages": HELLO})
+        assert body["prompt"] == bos + "<|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>" \
+                                       "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        for bad in (5, ""):  # not a template
+            status, err, _ = given.post("/admin/models/load", {"path": str(engine.path), "name": "x", "chat_template": bad})
+            assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+        # one that does not compile refuses the load, and says why
+        status, err, _ = given.post("/admin/models/load", {"path": str(engine.path), "name": "x",
+                                                           "chat_template": "{% for m in messages %}"})
+        assert status == 500 and err["error"]["type"] == "load_failed" and "chat template" in err["error"]["message"]
+    finally:
+        given.close()
