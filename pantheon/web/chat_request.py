@@ -207,6 +207,8 @@ def is_token_id(v) -> bool:
 def _object_prompt(field: str, value: dict):
     """llama-server's prompt objects: {"prompt_string": text}, or {"content": [text parts]} (its
     multimodal form; the parts' text joined, and any other part refused: this serves text only)."""
+    if value.get("multimodal_data"):  # llama-server's media beside a prompt_string
+        raise invalid(f"'{field}' carries multimodal_data: this model accepts text only")
     if "prompt_string" in value:
         return value["prompt_string"]
     parts = value.get("content")

@@ -162,8 +162,11 @@ def test_embeddings_route(app):
     status, reply, _ = app.post("/v1/embeddings", {"model": "tiny", "input": ["hello world", parts]})
     assert status == 200 and reply["data"][0]["embedding"] == reply["data"][1]["embedding"]  # the parts' text joined
     for bad in ([5, None], [{"prompt_string": 3}], [[]], {}, {"content": "string"},
-                {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}):
+                {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+                {"prompt_string": "a <__media__>", "multimodal_data": ["AAAA"]}):  # llama-server's media: text only here
         assert app.post("/v1/embeddings", {"model": "tiny", "input": bad})[0] == 400
+    status, err, _ = app.post("/completion", {"prompt": {"prompt_string": "a <__media__>", "multimodal_data": ["AAAA"]}})
+    assert status == 400 and "multimodal_data" in err["error"]["message"]
 
 
 def test_llama_servers_legacy_embedding_route(app):
