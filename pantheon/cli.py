@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, formatter_class=_HelpFormatter, **kw)
 
     def model_args(sp):
-        sp.add_argument("--model", type=_gguf_file, help=DEFAULT_MODEL_HELP)
+        sp.add_argument("-m", "--model", type=_gguf_file, help=DEFAULT_MODEL_HELP)
         sp.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
         sp.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto", help=KV_DTYPE_HELP)
 
@@ -399,14 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_profile)
 
     s = add("serve", help="serve the OpenAI-compatible HTTP API")
-    s.add_argument("--model", action="append", default=[],
+    s.add_argument("-m", "--model", action="append", default=[],
                    help="GGUF file, repeatable (default: $PANTHEON_MODEL, else the embedded SmolLM2 model); "
                         "a file that fails to load leaves the server up, answering 503 no_models_loaded")
     s.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
     s.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=None,
                    help=KV_DTYPE_HELP.replace("(default: auto", "(default: $PANTHEON_KV_DTYPE, else auto"))
     chat_template_args(s)
-    s.add_argument("--name", action="append", default=[],
+    s.add_argument("-a", "--alias", "--name", dest="name", action="append", default=[],
                    help="served name for the matching --model (default: the file name without .gguf)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=_port, default=8080, help="port to listen on")
@@ -446,6 +446,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace-requests", action="store_true",
                    help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG "
                         "(default: off)")
+    llama = s.add_argument_group(
+        "llama-server's flags", "read as llama-server b11434 reads them, so its command lines serve here too")
+    llama.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
+                       help="context tokens over all --parallel slots, as llama-server divides -c: each session "
+                            "gets CTX_SIZE / parallel (instead of --ctx-cap; default: none)")
+    llama.add_argument("-np", "--parallel", type=_positive_int, default=None,
+                       help="slots: --max-sessions and --max-concurrent both (default: none)")
+    for flag, what in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
+        llama.add_argument(flag, what, choices=KV_DTYPE_CHOICES[1:], default=None,
+                           help=f"the {what[-1].upper()} cache's type: --kv-dtype (K and V are held in one type "
+                                "here: give both the same; default: none)")
+    for flags, why in LLAMA_SERVER_IGNORED:
+        valued = flags[0] in LLAMA_SERVER_VALUED
+        llama.add_argument(*flags, dest=_ignored(flags), help=f"accepted and ignored: {why}"
+                           + (" (default: none)" if valued else ""), **({"metavar": "X"} if valued else
+                                                                       {"action": "store_true"}))
     s.set_defaults(func=cmd_serve)
 
     r = add("router", help="run the router that serve instances register with (pantheon.router)")
@@ -457,9 +473,61 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# llama-server flags `serve` accepts without effect, and why (flags taking a value are listed in
+# LLAMA_SERVER_VALUED); a notice on stderr names the ones given.
+LLAMA_SERVER_IGNORED = (
+    (("-t", "--threads"), "the kernels use every core the process may run on"),
+    (("-tb", "--threads-batch"), "as --threads"),
+    (("-ngl", "--gpu-layers", "--n-gpu-layers"), "a model is placed on its dies whole (--dies)"),
+    (("-fa", "--flash-attn"), "attention is always the blocked (flash) kernel"),
+    (("-b", "--batch-size"), "prefill chunks are sized by the scheduler (up to 512 tokens)"),
+    (("-ub", "--ubatch-size"), "as --batch-size"),
+    (("-cb", "--cont-batching"), "batching is always continuous"),
+    (("--jinja",), "chat templates are always Jinja (--chat-template NAME for llama.cpp's builtins)"),
+    (("--metrics",), "/metrics is always served"),
+    (("--slots",), "/slots is always served"),
+    (("--no-webui",), "there is no web UI; /admin/ui is the operator's dashboard"),
+    (("--mlock",), "weights are held as the loader places them"),
+    (("--no-mmap",), "as --mlock"),
+)
+LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub")
+
+
+def _ignored(flags) -> str:
+    return "ignored_" + flags[-1].lstrip("-").replace("-", "_")
+
+
+def _llama_server_flags(sp, args) -> None:
+    """llama-server's `serve` flags as Pantheon's: -c over -np slots, -np, -ctk/-ctv; a notice for
+    the ones without effect."""
+    if args.ctx_size is not None and args.ctx_cap is not None:
+        sp.error("give --ctx-size (llama-server's, over all slots) or --ctx-cap (per session), not both")
+    if args.parallel is not None:
+        for flag, value in (("--max-sessions", args.max_sessions), ("--max-concurrent", args.max_concurrent)):
+            if value is not None and value != args.parallel:
+                sp.error(f"--parallel {args.parallel} sets {flag} too: give one of them")
+        args.max_sessions = args.max_concurrent = args.parallel
+    if args.ctx_size is not None:
+        slots = args.max_sessions or 4
+        if args.ctx_size < slots:
+            sp.error(f"--ctx-size {args.ctx_size} leaves no context for each of {slots} slots")
+        args.ctx_cap = args.ctx_size // slots
+    types = {t for t in (args.cache_type_k, args.cache_type_v, args.kv_dtype) if t not in (None, "auto")}
+    if len(types) > 1:
+        sp.error(f"the K and V caches are held in one type here: --cache-type-k, --cache-type-v and --kv-dtype "
+                 f"name {', '.join(sorted(types))}")
+    if types:
+        args.kv_dtype = types.pop()
+    given = [flags[0] for flags, _ in LLAMA_SERVER_IGNORED if getattr(args, _ignored(flags)) not in (None, False)]
+    if given:
+        print(f"pantheon serve: ignoring llama-server's {' '.join(given)} (see pantheon serve --help)", file=sys.stderr)
+
+
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """What argparse's types cannot check alone, before anything loads (one line, exit code 2)."""
     sp = parser._subparsers._group_actions[0].choices.get(args.command)  # its prog names the subcommand
+    if args.command == "serve":
+        _llama_server_flags(sp, args)
     if args.command == "bench" and (args.against or args.url) and not args.concurrency:
         sp.error("--against and --url measure over HTTP: give --concurrency too, e.g. 1,4,8")
     if args.command == "serve" and (args.coordinator or args.num_processes > 1 or args.process_id):

@@ -174,3 +174,36 @@ def test_bench_against_a_server_that_refuses_is_one_line_and_exit_1(smollm2_path
     assert r.returncode == 1, r.stderr[-2000:]
     lines = [line for line in r.stderr.strip().splitlines() if "Traceback" in line or line.startswith("pantheon")]
     assert lines == ["pantheon: http://127.0.0.1:9: 1 request(s) failed (first: ConnectError: [Errno 111] Connection refused)"]
+
+
+def test_llama_servers_command_line_serves_here(capsys):
+    """`pantheon serve` takes llama-server's common flags as it reads them: -m, -a, -c over -np
+    slots, -np, -ctk/-ctv; the ones without effect here are named on stderr, once."""
+    from pantheon.web.serve import config_from_args
+
+    parser = cli.build_parser()
+    argv = ["serve", "-m", "a.gguf", "-a", "a", "-c", "8192", "-np", "2", "-ctk", "f16", "-ctv", "f16",
+            "-t", "2", "-ngl", "99", "-fa", "on", "--jinja", "-cb", "--port", "8099"]
+    args = parser.parse_args(argv)
+    cli._check_args(parser, args)
+    config = config_from_args(args)
+    assert config.models == (("a.gguf", "a"),)
+    assert (config.ctx_cap, config.max_sessions, config.max_concurrent) == (4096, 2, 2)  # 8192 over 2 slots
+    assert config.kv_dtype == "f16" and config.port == 8099
+    assert capsys.readouterr().err.strip() == "pantheon serve: ignoring llama-server's -t -ngl -fa -cb --jinja " \
+                                              "(see pantheon serve --help)"
+    args = parser.parse_args(["serve", "-c", "8192"])  # llama-server's default slots: 4
+    cli._check_args(parser, args)
+    assert config_from_args(args).ctx_cap == 2048 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "-c", "8192", "--ctx-cap", "2048"], "give --ctx-size"),
+    (["serve", "-np", "2", "--max-sessions", "4"], "--parallel 2 sets --max-sessions too"),
+    (["serve", "-ctk", "f16", "-ctv", "q8_0"], "held in one type here"),
+    (["serve", "-ctk", "q4_0"], "invalid choice: 'q4_0'"),
+    (["serve", "-c", "3", "-np", "4"], "leaves no context"),
+])
+def test_llama_servers_flags_that_cannot_be_served_fail_in_one_line(argv, expected):
+    out = pantheon(*argv, timeout=60)
+    assert out.returncode == 2 and expected in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
