@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -270,6 +271,27 @@ def _unit_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = _float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _n_predict(text: str) -> int:
+    value = int(text) if text.lstrip("-").isdigit() else None
+    if value is None or value == 0 or value < -1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (to the window), got {text!r}")
+    return value
+
+
 def _gguf_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
@@ -446,6 +468,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace-requests", action="store_true",
                    help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG "
                         "(default: off)")
+    sampling = s.add_argument_group(
+        "sampling defaults", "what a request that leaves the field out gets, on every route (llama-server's flags; "
+                             "default: each API's own, the contract's temperature 0.7, top_p 0.95, top_k 40 on chat)")
+    sampling.add_argument("--temp", "--temperature", dest="temp", type=_non_negative_float, default=None,
+                          help="temperature (default: none)")
+    sampling.add_argument("--top-k", type=_non_negative_int, default=None, help="top-k, 0: all (default: none)")
+    sampling.add_argument("--top-p", type=_unit_float, default=None, help="top-p (default: none)")
+    sampling.add_argument("--min-p", type=_fraction, default=None, help="min-p, 0: off (default: none)")
+    sampling.add_argument("--repeat-penalty", type=_positive_float, default=None,
+                          help="repetition penalty, 1: off (default: none)")
+    sampling.add_argument("--presence-penalty", type=_finite_float, default=None,
+                          help="presence penalty (default: none)")
+    sampling.add_argument("--frequency-penalty", type=_finite_float, default=None,
+                          help="frequency penalty (default: none)")
+    sampling.add_argument("--seed", type=int, default=None,
+                          help="sampling seed of every request that gives none; -1: a fresh one each (default: none)")
+    sampling.add_argument("-n", "--n-predict", type=_n_predict, default=None,
+                          help="tokens generated at most where a request says not; -1: to the window (default: none)")
     llama = s.add_argument_group(
         "llama-server's flags", "read as llama-server b11434 reads them, so its command lines serve here too")
     llama.add_argument("-c", "--ctx-size", type=_positive_int, default=None,

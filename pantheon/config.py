@@ -43,6 +43,26 @@ def pantheon_home() -> Path:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling field out gets, where the operator says (serve --temp,
+    --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty, --frequency-penalty, --seed,
+    -n: llama-server's flags); None: each API's own default."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None  # -1: to the window
+
+    def given(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """How one model is served: where it comes from and the per-model caps."""
 
@@ -106,6 +126,7 @@ class ServeConfig:
     numerics: str = "exact"
     kv_dtype: str = "auto"
     chat_template: str | None = None  # every model's template in place of its file's (--chat-template)
+    sampling: SamplingDefaults = SamplingDefaults()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_token: str | None = None  # None: /admin/* open (the contract's default)
     api_key: str | None = None  # None: the inference routes open (the contract's default)

@@ -195,6 +195,14 @@ def test_llama_servers_command_line_serves_here(capsys):
     args = parser.parse_args(["serve", "-c", "8192"])  # llama-server's default slots: 4
     cli._check_args(parser, args)
     assert config_from_args(args).ctx_cap == 2048 and capsys.readouterr().err == ""
+    assert config_from_args(args).sampling.given() == {}
+    # a model card's recommended sampling, as llama-server takes it: every request's defaults
+    args = parser.parse_args(["serve", "--temp", "0.6", "--top-k", "20", "--top-p", "0.95", "--min-p", "0",
+                              "--repeat-penalty", "1.1", "--seed", "-1", "-n", "256"])
+    assert config_from_args(args).sampling.given() == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0,
+                                                       "repetition_penalty": 1.1, "max_tokens": 256}
+    assert config_from_args(parser.parse_args(["serve", "--seed", "7", "-n", "-1"])).sampling.given() == \
+        {"seed": 7, "max_tokens": -1}
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -203,6 +211,9 @@ def test_llama_servers_command_line_serves_here(capsys):
     (["serve", "-ctk", "f16", "-ctv", "q8_0"], "held in one type here"),
     (["serve", "-ctk", "q4_0"], "invalid choice: 'q4_0'"),
     (["serve", "-c", "3", "-np", "4"], "leaves no context"),
+    (["serve", "--min-p", "2"], "--min-p: must be in [0, 1]"),
+    (["serve", "-n", "0"], "must be a positive integer or -1"),
+    (["serve", "--presence-penalty", "nan"], "must be a finite number"),
 ])
 def test_llama_servers_flags_that_cannot_be_served_fail_in_one_line(argv, expected):
     out = pantheon(*argv, timeout=60)

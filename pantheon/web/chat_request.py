@@ -8,6 +8,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from quart import current_app, has_app_context
+
+from pantheon.config import SamplingDefaults
 from pantheon.engine.sampler import MAX_TEMPERATURE, REPETITION_RANGE
 from pantheon.web.errors import invalid
 
@@ -268,6 +271,18 @@ def _messages(raw) -> list[dict]:
     return out
 
 
+def _with_defaults(body: dict, ops: SamplingDefaults) -> dict:
+    """body with the operator's default for each sampling field it leaves out (null counts as out;
+    a field's aliases count as given)."""
+    aliases = {"max_tokens": ("max_tokens", "max_completion_tokens", "n_predict"),
+               "repetition_penalty": ("repetition_penalty", "repeat_penalty")}
+    out = dict(body)
+    for key, value in ops.given().items():
+        if all(body.get(k) is None for k in aliases.get(key, (key,))):
+            out[key] = MAX_TOKENS_CAP if key == "max_tokens" and value < 0 else value
+    return out
+
+
 def _stop(value) -> list[str]:
     if value is None:
         return []
@@ -313,9 +328,19 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
                        tool_choice=body.get("tool_choice", "auto"), **sampling_fields(body, session_header))
 
 
+def operator_defaults() -> SamplingDefaults:
+    """The serve's sampling defaults (--temp, ..., -n), within a request to the app; else none."""
+    state = getattr(current_app, "pantheon", None) if has_app_context() else None
+    return state.config.sampling if state is not None else SamplingDefaults()
+
+
 def sampling_fields(body: dict, session_header: str | None = None) -> dict:
     """The fields every generating API shares (sampling, limits, stops, logprobs, n, format,
-    thinking, session), with the contract's defaults and clamps: ChatRequest's keyword arguments."""
+    thinking, session), with the contract's defaults and clamps: ChatRequest's keyword arguments.
+    A field the body leaves out takes the operator's default where serve set one."""
+    ops = operator_defaults()
+    if ops.given():
+        body = _with_defaults(body, ops)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_completion_tokens")

@@ -16,7 +16,7 @@ from quart import Blueprint
 from pantheon.engine.chat import plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, PromptLogprobs, PromptProgress, RequestEnd, RequestError
 from pantheon.web import sse
-from pantheon.web.chat_request import MAX_N, ChatRequest, _number, prompt_list, sampling_fields
+from pantheon.web.chat_request import MAX_N, ChatRequest, _number, operator_defaults, prompt_list, sampling_fields
 from pantheon.web.errors import error_body, invalid, json_body
 from pantheon.web.generation import collect, delta_timings, plan_and_submit, progress_fields, system_fingerprint
 
@@ -32,7 +32,8 @@ def parse_completion_request(body) -> tuple[list[ChatRequest], dict]:
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     prompts = prompt_list("prompt", body.get("prompt"), MAX_PROMPTS)
-    default = MAX_TOKENS_DEFAULT if body.get("n_predict") is None else None  # n_predict: sampling_fields reads it
+    # n_predict, or the serve's -n: sampling_fields reads them
+    default = MAX_TOKENS_DEFAULT if body.get("n_predict") is None and operator_defaults().max_tokens is None else None
     fields = sampling_fields({**body, "max_tokens": body.get("max_tokens", default),
                               "logprobs": None, "top_logprobs": None})
     logprobs = body.get("logprobs")

@@ -17,7 +17,8 @@ from quart import Blueprint, Response, current_app
 from pantheon.engine.chat import infill_ids, missing_fim_tokens, mixed_prompt_ids, plan_chat
 from pantheon.engine.events import ChoiceEnd, Delta, PromptProgress, RequestEnd, RequestError
 from pantheon.web import sse
-from pantheon.web.chat_request import MAX_TOKENS_CAP, ChatRequest, is_token_id, llama_prompts, sampling_fields
+from pantheon.web.chat_request import (MAX_TOKENS_CAP, ChatRequest, is_token_id, llama_prompts, operator_defaults,
+                                       sampling_fields)
 from pantheon.web.errors import ApiError, invalid, json_body, status_of
 from pantheon.web.generation import collect_one, delta_timings, plan_and_submit, progress_fields, timings
 
@@ -53,7 +54,8 @@ def _logit_bias(value, engine) -> dict:
 
 
 def _request(body: dict, engine, prompt) -> ChatRequest:
-    n_predict = body.get("n_predict", body.get("max_tokens", -1))
+    ops = operator_defaults().given()  # the serve's defaults (--temp, -n, ...) before llama-server's own
+    n_predict = body.get("n_predict", body.get("max_tokens", ops.get("max_tokens", -1)))
     if isinstance(n_predict, bool) or not isinstance(n_predict, int):
         raise invalid("'n_predict' must be an integer")
     n_probs = body.get("n_probs", 0)
@@ -64,11 +66,11 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
         bias.update({str(t): -100.0 for t in engine.tokenizer.eog_ids})
     seed = body.get("seed")
     fields = sampling_fields({
-        "model": engine.name, "temperature": body.get("temperature", 0.8), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
+        "model": engine.name, "temperature": body.get("temperature", ops.get("temperature", 0.8)), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
         "max_tokens": MAX_TOKENS_CAP if n_predict < 0 else max(n_predict, 1), "stop": body.get("stop"),
         "stream": body.get("stream", False), "seed": None if seed in (None, -1) else seed,
         "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
-        "min_p": body.get("min_p", MIN_P_DEFAULT), "repeat_penalty": body.get("repeat_penalty"), "logit_bias": bias,
+        "min_p": body.get("min_p", ops.get("min_p", MIN_P_DEFAULT)), "repeat_penalty": body.get("repeat_penalty"), "logit_bias": bias,
         "logprobs": True, "top_logprobs": min(n_probs, 20), "grammar": body.get("grammar"),
         "json_schema": body.get("json_schema"), "response_format": body.get("response_format"),
         "return_progress": body.get("return_progress"), "timings_per_token": body.get("timings_per_token")})
@@ -77,12 +79,13 @@ def _request(body: dict, engine, prompt) -> ChatRequest:
 
 def completion_defaults(engine) -> dict:
     """What POST /completion does with a request that sets nothing (GET /props says it): `n_predict`
-    -1 runs to the end of generation or the window, `seed` -1 is a fresh one."""
+    -1 runs to the end of generation or the window, `seed` -1 is a fresh one (unless serve set them)."""
     chat = _request({}, engine, [])
-    return {"seed": -1, "temperature": chat.temperature, "top_k": chat.top_k, "top_p": chat.top_p,
-            "min_p": chat.min_p, "repeat_penalty": chat.repetition_penalty,
+    n_predict = -1 if chat.max_tokens == MAX_TOKENS_CAP else chat.max_tokens
+    return {"seed": -1 if chat.seed is None else chat.seed, "temperature": chat.temperature, "top_k": chat.top_k,
+            "top_p": chat.top_p, "min_p": chat.min_p, "repeat_penalty": chat.repetition_penalty,
             "presence_penalty": chat.presence_penalty, "frequency_penalty": chat.frequency_penalty,
-            "n_predict": -1, "max_tokens": -1, "stream": chat.stream, "n_probs": 0, "ignore_eos": False,
+            "n_predict": n_predict, "max_tokens": n_predict, "stream": chat.stream, "n_probs": 0, "ignore_eos": False,
             "samplers": ["penalties", "temperature", "top_k", "top_p", "min_p"]}
 
 

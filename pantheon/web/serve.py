@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from pantheon.config import ServeConfig
+from pantheon.config import SamplingDefaults, ServeConfig
 
 log = logging.getLogger("pantheon.web")
 
@@ -91,6 +91,17 @@ def uninstall_drain(state) -> None:
         _draining.remove(state)
 
 
+def _sampling(args) -> SamplingDefaults:
+    """serve's sampling defaults (--temp, ..., -n), llama-server's flags; --seed -1: none."""
+    seed = getattr(args, "seed", None)
+    return SamplingDefaults(temperature=getattr(args, "temp", None), top_k=getattr(args, "top_k", None),
+                            top_p=getattr(args, "top_p", None), min_p=getattr(args, "min_p", None),
+                            repetition_penalty=getattr(args, "repeat_penalty", None),
+                            presence_penalty=getattr(args, "presence_penalty", None),
+                            frequency_penalty=getattr(args, "frequency_penalty", None),
+                            seed=None if seed == -1 else seed, max_tokens=getattr(args, "n_predict", None))
+
+
 def config_from_args(args) -> ServeConfig:
     env = ServeConfig.from_env()
     models = tuple((m, args.name[i] if i < len(args.name) else None) for i, m in enumerate(args.model))
@@ -101,7 +112,7 @@ def config_from_args(args) -> ServeConfig:
                        max_concurrent=pick(args.max_concurrent, env.max_concurrent),
                        reasoning_budget=pick(args.reasoning_budget, env.reasoning_budget), dies=dies,
                        numerics=args.numerics, kv_dtype=getattr(args, "kv_dtype", None) or env.kv_dtype,
-                       chat_template=getattr(args, "chat_template", None),
+                       chat_template=getattr(args, "chat_template", None), sampling=_sampling(args),
                        max_body_bytes=env.max_body_bytes,
                        admin_token=getattr(args, "admin_token", None) or env.admin_token,
                        api_key=getattr(args, "api_key", None) or env.api_key,

@@ -358,3 +358,40 @@ def test_a_qwen3moe_model_serves_chat_batched(tmp_path_factory):
         assert app.engine("moe").spec.n_expert == 8
     finally:
         app.close()
+
+
+def test_the_serves_sampling_defaults_fill_what_a_request_leaves_out(tmp_path_factory):
+    """serve --temp/--top-k/.../-n (llama-server's flags): a field a request leaves out takes the
+    operator's value on every route; a field it gives wins."""
+    from pantheon.config import SamplingDefaults
+    from pantheon.web.chat_request import parse_chat_request
+
+    ops = tiny_app(tmp_path_factory, "sampling-defaults",
+                   sampling=SamplingDefaults(temperature=0.0, top_k=7, min_p=0.25, repetition_penalty=1.3,
+                                             seed=11, max_tokens=3))
+    try:
+        async def parsed(body):
+            async with ops.app.app_context():
+                return parse_chat_request(body)
+
+        chat = ops.run(parsed({"messages": [{"role": "user", "content": "hi"}]}))
+        assert (chat.temperature, chat.top_k, chat.min_p, chat.repetition_penalty, chat.seed, chat.max_tokens) == \
+            (0.0, 7, 0.25, 1.3, 11, 3)
+        assert chat.top_p == 0.95  # not set by the operator: the contract's
+        mine = ops.run(parsed({"messages": [{"role": "user", "content": "hi"}], "temperature": 1.5, "repeat_penalty": 1.0,
+                               "max_completion_tokens": 9}))
+        assert (mine.temperature, mine.repetition_penalty, mine.max_tokens) == (1.5, 1.0, 9)
+        status, body, _ = ops.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        greedy = ops.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                   "temperature": 0, "top_k": 7, "min_p": 0.25,
+                                                   "repeat_penalty": 1.3})[1]
+        assert body["choices"][0]["message"] == greedy["choices"][0]["message"]
+        for path, req in (("/completion", {"prompt": "hello"}), ("/v1/completions", {"prompt": "hello"})):
+            status, out, _ = ops.post(path, req)
+            assert status == 200 and (out.get("tokens_predicted") or out["usage"]["completion_tokens"]) == 3, out
+        settings = ops.get("/props")[1]["default_generation_settings"]["params"]
+        assert (settings["temperature"], settings["top_k"], settings["min_p"], settings["seed"], settings["n_predict"]) \
+            == (0.0, 7, 0.25, 11, 3)
+    finally:
+        ops.close()
