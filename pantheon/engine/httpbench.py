@@ -131,9 +131,11 @@ _WORDS = ("river", "lantern", "copper", "orchard", "violet", "harbor", "meadow",
 
 
 def long_prompt_for(i: int, n_words: int) -> str:
-    """A distinct long prompt (its first words differ by i, so no server's prefix cache serves it)."""
-    words = [_WORDS[(i * 7 + j * (j % 5 + 1)) % len(_WORDS)] for j in range(n_words)]
-    return f"[{RUN_TAG}] Request {i}: summarize this list. " + " ".join(words)
+    """A distinct long prompt: its first words name i, so no server's prefix cache serves it, and the
+    rest is the same list for every i, so each server prefills as many tokens (the list once moved
+    with i: 1371 tokens against 1251 for the 1 B's two servers, a TTFT ratio 9 % off)."""
+    words = [_WORDS[(j * (j % 5 + 1)) % len(_WORDS)] for j in range(n_words)]
+    return f"[{RUN_TAG}] Request {i:05d}: summarize this list. " + " ".join(words)
 
 
 @dataclass

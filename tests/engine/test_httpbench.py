@@ -100,6 +100,8 @@ def test_long_prompt_ttft_and_each_local_servers_memory(servers):
     long = httpbench.long_prompts(names, 60, {"2": -100}, runs=3)
     prompts = [b["messages"][0]["content"] for b in fast_seen + slow_seen]
     assert len(prompts) == 6 and len(set(prompts)) == 6  # distinct: no prefix cache answers one
+    # ... from their first words on, and as long as each other: each server prefills as many tokens
+    assert len({p.split(":")[0] for p in prompts}) == 6 and len({p.split(":", 1)[1] for p in prompts}) == 1
     assert all(len(p.split()) > 60 for p in prompts) and all(b["stream"] for b in fast_seen)
     assert long["pantheon"].prompt_tokens > 60 and long["other"].prompt_tokens == 0  # the slow one sends no usage
     assert all(r.ttft_ms > 0 for r in long.values())
