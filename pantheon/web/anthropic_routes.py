@@ -8,6 +8,7 @@ Anthropic's shape (errors.error_response). Headers `x-api-key`, `anthropic-versi
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from quart import Blueprint, request
@@ -22,9 +23,18 @@ from pantheon.web.generation import Choice, collect_one, count_input_tokens, pla
 bp = Blueprint("anthropic", __name__)
 
 
-def _text(where: str, value) -> str:
+def _text(where: str, value, sep: str = "") -> str:
     """A string, or an array of text blocks joined (images and documents are refused)."""
-    return joined_text(where, value, {"text": "text"}, "\n\n" if where == "system" else "")
+    return joined_text(where, value, {"text": "text"}, sep)
+
+
+_BILLING_HASH = re.compile(r"^(x-anthropic-billing-header:[^\n]*?cch=)[^;\n]{5};", re.MULTILINE)
+
+
+def _system_text(where: str, value) -> str:
+    """A system prompt's text. Claude Code opens it with a billing header whose `cch=` hash changes
+    from request to request: held fixed, as llama-server does, so the prompt's prefix stays cached."""
+    return _BILLING_HASH.sub(r"\1fffff;", _text(where, value, "\n\n"))
 
 
 def _turns(i: int, msg) -> list[dict]:
@@ -33,8 +43,10 @@ def _turns(i: int, msg) -> list[dict]:
     if not isinstance(msg, dict):
         raise invalid(f"messages[{i}] must be an object with 'role' and 'content'")
     role, content = msg.get("role"), msg.get("content")
+    if role == "system":  # Claude Code sends system turns among the messages: kept in their place
+        return [{"role": "system", "content": _system_text(f"messages[{i}].content", content)}]
     if role not in ("user", "assistant"):
-        raise invalid(f"'messages[{i}].role' must be \"user\" or \"assistant\"")
+        raise invalid(f"'messages[{i}].role' must be \"user\", \"assistant\" or \"system\"")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -108,7 +120,7 @@ def parse_messages_request(body, counting: bool = False) -> ChatRequest:
         raise invalid("'messages' is required and must be a non-empty array")
     messages = []
     if body.get("system") is not None:
-        messages.append({"role": "system", "content": _text("system", body["system"])})
+        messages.append({"role": "system", "content": _system_text("system", body["system"])})
     for i, m in enumerate(raw):
         messages.extend(_turns(i, m))
     stops = body.get("stop_sequences")
@@ -117,7 +129,8 @@ def parse_messages_request(body, counting: bool = False) -> ChatRequest:
     thinking, budget = body.get("thinking"), None
     enable = None
     if isinstance(thinking, dict):
-        enable = thinking.get("type") == "enabled"
+        # "adaptive" (Claude Code's default): the model decides, as its template does unasked
+        enable = {"enabled": True, "disabled": False}.get(thinking.get("type"))
         if enable and isinstance(thinking.get("budget_tokens"), int):
             budget = thinking["budget_tokens"]
     fields = sampling_fields({"model": body.get("model"), "max_tokens": max_tokens or 1,

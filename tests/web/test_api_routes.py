@@ -55,7 +55,7 @@ def test_no_api_key_by_default(app):
 @pytest.mark.parametrize("body, needle", [
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, "'max_tokens' is required"),
     ({"model": "tiny", "max_tokens": 2, "messages": []}, "'messages' is required"),
-    ({"model": "tiny", "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, "must be \"user\""),
+    ({"model": "tiny", "max_tokens": 2, "messages": [{"role": "tool", "content": "x"}]}, "must be \"user\""),
     ({**MESSAGES, "tool_choice": {"type": "sometimes"}}, "'tool_choice'"),
     ({**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]},
      "is not a content block"),
@@ -69,6 +69,35 @@ def test_messages_refusals(app, body, needle):
 def test_messages_unknown_subroute_is_a_404_in_anthropics_shape(app):
     status, reply, _ = app.post("/v1/messages/batches", MESSAGES)
     assert status == 404 and reply["type"] == "error" and reply["error"]["type"] == "not_found_error"
+
+
+def test_messages_take_claude_codes_system_turns_and_billing_header(app):
+    """Claude Code (2.1) sends system turns among the messages and opens its system prompt with a
+    billing header whose `cch=` hash changes per request: the turns are kept in their place (the
+    prompt equals the OpenAI form's), the hash held fixed as llama-server holds it."""
+    from pantheon.web.anthropic_routes import _system_text
+
+    turns = [{"role": "user", "content": "hello"}, {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": "again"}]
+    status, reply, _ = app.post("/v1/messages", {**MESSAGES, "messages": turns})
+    assert status == 200 and reply["type"] == "message", reply
+    counted = app.post("/v1/messages/count_tokens", {"model": "tiny", "messages": turns})[1]["input_tokens"]
+    status, prompt, _ = app.post("/apply-template", {"messages": [turns[0], {"role": "system", "content": "Be brief."},
+                                                                  turns[2]]})
+    assert counted == len(app.engine().encode_prompt(prompt["prompt"])) and "Be brief." in prompt["prompt"]
+    header = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.9; cch=a1b2c; cc_entrypoint=cli;"},
+              {"type": "text", "text": "You are Claude Code."}]
+    assert _system_text("system", header) == \
+        "x-anthropic-billing-header: cc_version=2.1.9; cch=fffff; cc_entrypoint=cli;\n\nYou are Claude Code."
+    assert _system_text("system", "You are cch=a1b2c; here.") == "You are cch=a1b2c; here."  # not a header
+    from pantheon.web.anthropic_routes import parse_messages_request
+
+    async def thinking(kind):
+        async with app.app.test_request_context("/v1/messages", method="POST"):
+            return parse_messages_request({**MESSAGES, "thinking": {"type": kind}}).enable_thinking
+
+    # Claude Code's "adaptive" leaves it to the model (its template's default), as no field does
+    assert [app.run(thinking(k)) for k in ("enabled", "disabled", "adaptive")] == [True, False, None]
 
 
 def test_count_tokens_needs_no_max_tokens(app):

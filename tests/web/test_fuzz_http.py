@@ -173,7 +173,7 @@ MESSAGES_FIELDS = {
                                                 optional={"name": texts})),
     "stop_sequences": either(st.lists(texts, max_size=3)), "stream": scalars, "temperature": numbers,
     "top_k": INTS, "top_p": numbers, "metadata": values,
-    "thinking": either(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"])},
+    "thinking": either(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
                                              optional={"budget_tokens": INTS}))}
 ITEM_TYPES = st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference",
                               "web_search_call"])
