@@ -176,7 +176,7 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
     """The chat's prompt text in the model's template, with tools in its dialect (and the assistant's
     opening, unless told not to; a prefill continues it): (text, the template's kwargs, dialect,
     tool specs, whether tools are on)."""
-    from pantheon.text.chat_template import ChatTemplateError
+    from pantheon.text.chat_template import ChatTemplateError, fold_system_turns
     from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, schema_problem
 
     tools_on = bool(chat.tools) and chat.tool_choice != "none"
@@ -201,7 +201,13 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
     try:
         text = engine.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs) + prefill
     except ChatTemplateError as e:
-        raise PlanError(f"chat template rejected the messages: {e}") from None
+        folded = fold_system_turns(messages)  # a template that takes a system turn only first
+        try:
+            if folded is messages:
+                raise
+            text = engine.render_chat(folded, add_generation_prompt=add_generation_prompt, **kwargs) + prefill
+        except ChatTemplateError:
+            raise PlanError(f"chat template rejected the messages: {e}") from None
     return text, kwargs, dialect, specs, tools_on
 
 

@@ -166,6 +166,29 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def fold_system_turns(messages: list[dict]) -> list[dict]:
+    """The messages with every system turn after the first folded into a user turn beside it
+    (appended to the user turn before it, else opening the next one, else a user turn of its own):
+    for templates that refuse a system turn anywhere but first, which clients such as Claude Code
+    send. The messages themselves where there is none to fold."""
+    if not any(isinstance(m, dict) and m.get("role") == "system" for m in messages[1:]):
+        return messages
+    out, waiting = [], []
+    for i, m in enumerate(messages):
+        if i > 0 and m.get("role") == "system":
+            if out and out[-1].get("role") == "user":
+                out[-1] = {**out[-1], "content": f"{out[-1].get('content') or ''}\n\n{m.get('content') or ''}"}
+            else:
+                waiting.append(m.get("content") or "")
+            continue
+        if waiting and m.get("role") == "user":
+            m, waiting = {**m, "content": "\n\n".join(waiting + [m.get("content") or ""])}, []
+        out.append(m)
+    if waiting:
+        out.append({"role": "user", "content": "\n\n".join(waiting)})
+    return out
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
                  extra_tokens: dict[str, str] | None = None):

@@ -165,3 +165,19 @@ def test_a_given_template_that_is_no_builtin_is_jinja_source():
     assert given.render(CONVERSATION[:2]) == "<BOS>[system]You are a helpful assistant[user]Hello"
     with pytest.raises(ChatTemplateError):
         ChatTemplate.given("{% for m in messages %}", _Vocabulary(add_bos=False))
+
+
+def test_system_turns_after_the_first_fold_into_a_user_turn_beside_them():
+    from pantheon.text.chat_template import fold_system_turns
+
+    plain = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]
+    assert fold_system_turns(plain) is plain  # nothing to fold
+    # Claude Code's first request: a user turn, then a system turn
+    assert fold_system_turns([{"role": "user", "content": "u"}, {"role": "system", "content": "agents"}]) == \
+        [{"role": "user", "content": "u\n\nagents"}]
+    turns = [{"role": "system", "content": "S"}, {"role": "system", "content": "T"}, {"role": "assistant", "content": "a"},
+             {"role": "system", "content": "R"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "b"},
+             {"role": "system", "content": "Z"}]
+    assert fold_system_turns(turns) == [{"role": "system", "content": "S"}, {"role": "assistant", "content": "a"},
+                                        {"role": "user", "content": "T\n\nR\n\nu"}, {"role": "assistant", "content": "b"},
+                                        {"role": "user", "content": "Z"}]

@@ -202,3 +202,25 @@ def test_a_chat_template_given_at_serve_replaces_the_files(tmp_path_factory):
         assert status == 500 and err["error"]["type"] == "load_failed" and "chat template" in err["error"]["message"]
     finally:
         given.close()
+
+
+def test_a_template_that_takes_a_system_turn_only_first_gets_the_later_ones_folded(tmp_path_factory):
+    """Claude Code sends a system turn after a user turn; a template that refuses that (Mistral's
+    do) renders them folded into the user turn beside them instead of a 400."""
+    strict = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+              "{{ raise_exception('system only first') }}{% endif %}{% if loop.first and m['role'] == 'assistant' %}"
+              "{{ raise_exception('a user opens') }}{% endif %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+              "{% if add_generation_prompt %}[assistant]{% endif %}")
+    app = tiny_app(tmp_path_factory, "strict-template", chat_template=strict)
+    try:
+        turns = [{"role": "user", "content": "hello"}, {"role": "system", "content": "agents"}]
+        status, body, _ = app.post("/apply-template", {"messages": turns})
+        assert status == 200 and body["prompt"] == "[user]hello\n\nagents[assistant]"
+        status, reply, _ = app.post("/v1/messages", {"max_tokens": 2, "messages": turns})
+        assert status == 200 and reply["type"] == "message"
+        # what folding cannot mend is still a 400 with the template's reason
+        status, err, _ = app.post("/v1/chat/completions", {"max_tokens": 2, "messages": [
+            {"role": "assistant", "content": "hi"}, {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
+        assert status == 400 and "a user opens" in err["error"]["message"]
+    finally:
+        app.close()
