@@ -292,6 +292,10 @@ def _n_predict(text: str) -> int:
     return value
 
 
+def _reasoning_budget(text: str) -> int:
+    return 0 if text.strip() == "-1" else _non_negative_int(text)  # llama-server's -1: unrestricted
+
+
 def _gguf_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
@@ -438,9 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions kept on the device (default: $PANTHEON_MAX_SESSIONS, else 4)")
     s.add_argument("--max-concurrent", type=_positive_int, default=None,
                    help="requests decoding together (default: $PANTHEON_MAX_CONCURRENT, else --max-sessions)")
-    s.add_argument("--reasoning-budget", type=_non_negative_int, default=None,
-                   help="thinking tokens per turn before the think block is closed (default: "
-                        "$PANTHEON_REASONING_BUDGET, else 0: no budget)")
+    s.add_argument("--reasoning-budget", type=_reasoning_budget, default=None,
+                   help="thinking tokens per turn before the think block is closed; 0 or llama-server's -1: no "
+                        "budget (default: $PANTHEON_REASONING_BUDGET, else 0: no budget)")
     s.add_argument("--dies", type=_dies, default=None,
                    help="comma-separated device ordinals, e.g. 0,1 (default: the die manager's choice)")
     s.add_argument("--admin-token", default=None,

@@ -203,6 +203,7 @@ def test_llama_servers_command_line_serves_here(capsys):
                                                        "repetition_penalty": 1.1, "max_tokens": 256}
     assert config_from_args(parser.parse_args(["serve", "--seed", "7", "-n", "-1"])).sampling.given() == \
         {"seed": 7, "max_tokens": -1}
+    assert config_from_args(parser.parse_args(["serve", "--reasoning-budget", "-1"])).reasoning_budget == 0  # unbounded
 
 
 @pytest.mark.parametrize("argv, expected", [
