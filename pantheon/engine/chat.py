@@ -172,6 +172,15 @@ def prefill_of(messages: list[dict]) -> str:
     return ""
 
 
+def developer_as_system(engine, messages: list[dict]) -> list[dict]:
+    """OpenAI's `developer` turns (its newer clients' system prompt) as `system` ones, as llama.cpp
+    maps them, except for a template with a developer role of its own (GPT-OSS's harmony channels)."""
+    source = engine.template.source if engine.template is not None else ""
+    if "<|channel|>" in source or not any(m.get("role") == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str, dict, object, list | None, bool]:
     """The chat's prompt text in the model's template, with tools in its dialect (and the assistant's
     opening, unless told not to; a prefill continues it): (text, the template's kwargs, dialect,
@@ -180,7 +189,7 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
     from pantheon.text.tools import ToolSpecError, apply_dialect, normalize_tools, schema_problem
 
     tools_on = bool(chat.tools) and chat.tool_choice != "none"
-    messages, dialect, specs = chat.messages, None, None
+    messages, dialect, specs = developer_as_system(engine, chat.messages), None, None
     prefill = prefill_of(messages) if add_generation_prompt else ""
     if prefill:  # the conversation up to the assistant's opening, then the text it has begun
         messages = messages[:-1]

@@ -85,6 +85,22 @@ def test_apply_template_renders_what_a_chat_would_run(app):
     assert body["prompt"] == closed["prompt"] + "<|im_start|>assistant\n"
 
 
+def test_a_developer_turn_is_a_system_turn(app):
+    """OpenAI's newer clients send their system prompt as `developer`: rendered as `system`, as
+    llama.cpp maps it, where the template has no developer role of its own."""
+    engine = app.engine()
+    status, body, _ = app.post("/apply-template", {"messages": [{"role": "developer", "content": "Be brief."}] + HELLO})
+    assert status == 200 and body["prompt"] == engine.render_chat([{"role": "system", "content": "Be brief."}] + HELLO)
+    assert "developer" not in body["prompt"]
+    from types import SimpleNamespace
+
+    from pantheon.engine.chat import developer_as_system
+
+    harmony = SimpleNamespace(template=SimpleNamespace(source="<|start|>{{ m.role }}<|channel|>"))  # GPT-OSS's own role
+    turns = [{"role": "developer", "content": "x"}]
+    assert developer_as_system(harmony, turns) is turns
+
+
 PREFILL = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Well, the"}]
 
 
