@@ -166,16 +166,18 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def fold_system_turns(messages: list[dict]) -> list[dict]:
-    """The messages with every system turn after the first folded into a user turn beside it
-    (appended to the user turn before it, else opening the next one, else a user turn of its own):
-    for templates that refuse a system turn anywhere but first, which clients such as Claude Code
-    send. The messages themselves where there is none to fold."""
-    if not any(isinstance(m, dict) and m.get("role") == "system" for m in messages[1:]):
+def fold_system_turns(messages: list[dict], keep_first: bool = True) -> list[dict]:
+    """The messages with every system turn after the first (or every one: keep_first=False) folded
+    into a user turn beside it (appended to the user turn before it, else opening the next one,
+    else a user turn of its own): for templates that refuse a system turn anywhere but first, which
+    clients such as Claude Code send, or anywhere (Gemma 2's; llama.cpp merges the system prompt
+    into the next turn the same way). The messages themselves where there is none to fold."""
+    start = 1 if keep_first else 0
+    if not any(isinstance(m, dict) and m.get("role") == "system" for m in messages[start:]):
         return messages
     out, waiting = [], []
     for i, m in enumerate(messages):
-        if i > 0 and m.get("role") == "system":
+        if i >= start and m.get("role") == "system":
             if out and out[-1].get("role") == "user":
                 out[-1] = {**out[-1], "content": f"{out[-1].get('content') or ''}\n\n{m.get('content') or ''}"}
             else:

@@ -181,3 +181,5 @@ def test_system_turns_after_the_first_fold_into_a_user_turn_beside_them():
     assert fold_system_turns(turns) == [{"role": "system", "content": "S"}, {"role": "assistant", "content": "a"},
                                         {"role": "user", "content": "T\n\nR\n\nu"}, {"role": "assistant", "content": "b"},
                                         {"role": "user", "content": "Z"}]
+    # every one, the first too (a template with no system role)
+    assert fold_system_turns(plain, keep_first=False) == [{"role": "user", "content": "S\n\nu"}]

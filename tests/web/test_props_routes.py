@@ -234,6 +234,15 @@ def test_a_template_that_takes_a_system_turn_only_first_gets_the_later_ones_fold
         assert status == 200 and body["prompt"] == "[user]hello\n\nagents[assistant]"
         status, reply, _ = app.post("/v1/messages", {"max_tokens": 2, "messages": turns})
         assert status == 200 and reply["type"] == "message"
+        # ... and one with no system role at all (Gemma 2's) gets the system prompt in the first user turn
+        gemma2 = tiny_app(tmp_path_factory, "no-system-role", chat_template=(
+            "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+            "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"))
+        try:
+            status, body, _ = gemma2.post("/apply-template", {"messages": [{"role": "system", "content": "S"}] + turns})
+            assert status == 200 and body["prompt"] == "[user]S\n\nhello\n\nagents"
+        finally:
+            gemma2.close()
         # what folding cannot mend is still a 400 with the template's reason
         status, err, _ = app.post("/v1/chat/completions", {"max_tokens": 2, "messages": [
             {"role": "assistant", "content": "hi"}, {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
