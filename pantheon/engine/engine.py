@@ -74,6 +74,10 @@ class Throughput:
         return sum(r[1] for r in recent) / seconds if seconds > 0 else 0.0
 
 
+# A prompt shorter than this is not marked (SlotTable.mark): re-prefilling it costs little.
+MARK_MIN_TOKENS = 256
+
+
 def text_of(gguf: GGUFFile, path: Path, chat_template: str | None = None) -> tuple[Tokenizer, ChatTemplate | None]:
     """The file's tokenizer and chat template, or `chat_template` in its place (--chat-template: a
     builtin's name or Jinja source). Their problems refuse the file (a GGUFError), before anything
@@ -165,6 +169,7 @@ class Engine:
         devices = list(device.devices.flat) if hasattr(device, "devices") else [device] if device is not None else []
         self.ladder = MemoryLadder(devices=devices)
         self.scheduler = Scheduler(self, self.runner, self.table, settings.queue_depth if settings.batching else 0)
+        self._has_rows = bool(set(self.runner.slot_layout(1)) - self.runner.positional())  # rings, recurrent state
         self.load_s = time.perf_counter() - t0
         self.weight_bytes = params_nbytes(params)
         self.kv_bytes = self.runner.cache.nbytes
@@ -369,6 +374,14 @@ class Engine:
         while b < n_tok:
             b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
         return max(n_tok, min(b, self.runner.ctx))
+
+    def mark_rows(self, slot: int, n_tok: int) -> dict:
+        """A slot's sliding-ring and recurrent rows once its prompt of n_tok tokens is in (SlotTable.mark),
+        for the prompts that are worth it; {} for the others, and where every buffer is positional
+        (attention alone rewinds to any prefix) or the slot spans processes."""
+        if n_tok < MARK_MIN_TOKENS or not self._has_rows or jax.process_count() > 1:
+            return {}
+        return {k: a.copy() if a.flags.writeable else a for k, a in self.runner.export_rows(slot).items()}
 
     def _spill_slot(self, slot: int, n_tok: int) -> dict:
         arrays = self.runner.export_slot(slot, self._tier_len(n_tok))

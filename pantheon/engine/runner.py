@@ -29,7 +29,7 @@ from pantheon.model.family import family_of
 from pantheon.model.numerics import Numerics
 from pantheon.model.sharding import KV_CACHE
 from pantheon.model.spec import ModelSpec
-from pantheon.model.state import export_slot, import_slot, positional, slot_layout
+from pantheon.model.state import export_rows, export_slot, import_slot, positional, slot_layout
 from pantheon.model.step import StepInputs, full_step
 
 DECODE_BUCKETS = (1, 2, 4, 8)
@@ -390,6 +390,9 @@ class ModelRunner:
 
     def import_slot(self, slot: int, arrays: dict) -> None:
         self.cache = import_slot(self.cache, slot, arrays)
+
+    def export_rows(self, slot: int) -> dict:
+        return export_rows(self.cache, slot)
 
     def slot_layout(self, n_tok: int) -> dict:
         return slot_layout(self.cache, n_tok)

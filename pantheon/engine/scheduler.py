@@ -369,15 +369,26 @@ class Scheduler:
             self._progress(seq, seq.prefill_at)
             if out.scores is not None:
                 self._scores(seq, plan.work.prefill.targets, out.scores)
-            if out.prefill is not None:
+            if out.prefill is not None:  # the prompt is in
+                self._mark(seq)
                 self._accept(seq, out.prefill, 0, policy)
         for s in plan.decode:
-            if s.n == 0:  # its prompt's last token went in as a decode row (_start)
-                self._progress(s, len(s.request.prompt_ids))
             s.history.append(s.last)
             s.last = None
+            if s.n == 0:  # its prompt's last token went in as a decode row (_start): the prompt is in
+                self._progress(s, len(s.request.prompt_ids))
+                self._mark(s)
         for i, s in enumerate(plan.decode):
             self._accept(s, out.decode, i, policy)
+
+    def _mark(self, seq: Sequence) -> None:
+        """The prompt is in the slot: mark the rows a later prompt could not rewind to (SlotTable.mark)."""
+        if seq.index != 0:
+            return
+        try:
+            self.table.mark(seq.slot, seq.history, self.engine.mark_rows(seq.slot.index, len(seq.history)))
+        except Exception:  # noqa: BLE001 - without a mark a later prompt prefills from 0
+            log.exception("marking a slot's prompt end failed")
 
     def _token_policy(self) -> TokenPolicy:
         """This step's per-token rules: the memory ladder's window bounds running sequences as it

@@ -66,6 +66,21 @@ class Slot:
     busy: bool = False  # a sequence is running in it
     last_used: float = 0.0
     private: bool = False  # holds KV from a restore (or grown from one): never shared with another id
+    mark: "Mark | None" = None  # its rows at the end of its last prompt (rings, recurrent models)
+
+
+@dataclass(eq=False)  # identity: the arrays do not compare
+class Mark:
+    """A slot's state at the end of its last prompt, where it cannot be rewound: the rows of its
+    sliding rings and recurrent states after its first `n` tokens (llama.cpp's context checkpoint).
+    A later prompt sharing those n tokens resumes there, with the rows put back, instead of from 0."""
+
+    tokens: list[int]  # the n tokens it stands on
+    arrays: dict
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
 
 
 @dataclass(eq=False)  # identity: the arrays do not compare
@@ -121,7 +136,7 @@ class SlotTable:
         self.host = host if host is not None else HostBudget(0)
         self.spill_bytes = spill_bytes  # an estimate of spill's bytes, to refuse early what cannot fit
         self.host_bytes = 0  # this table's parked bytes
-        self.spills = self.fills = self.copies = self.dropped = 0
+        self.spills = self.fills = self.copies = self.dropped = self.resumes = 0
         self._pinned: Parked | None = None
 
     @property
@@ -131,8 +146,18 @@ class SlotTable:
     # ---- prefix reuse -------------------------------------------------------------------------------
     def reusable(self, slot: Slot, prompt: list[int]) -> int:
         """How many leading prompt tokens the slot's cache can serve (at least one token is always
-        left to prefill, for the logits)."""
-        return self._reusable(slot.tokens, prompt)
+        left to prefill, for the logits): from its history, or from its mark where the history cannot
+        be rewound that far (a recurrent state, a ring written past the prefix)."""
+        n = self._reusable(slot.tokens, prompt)
+        m = slot.mark
+        # the slot still holds the mark's tokens (its positions before the mark), and the prompt starts so
+        if m is not None and n < m.n < len(prompt) and slot.tokens[:m.n] == m.tokens == prompt[:m.n]:
+            return m.n
+        return n
+
+    def mark(self, slot: Slot, tokens: list[int], arrays: dict) -> None:
+        """The slot's rows once `tokens` are in it (the prompt its running sequence just prefilled)."""
+        slot.mark = Mark(list(tokens), arrays) if arrays else None
 
     def _reusable(self, history: list[int], prompt: list[int]) -> int:
         n = common_prefix(history, prompt)
@@ -268,11 +293,15 @@ class SlotTable:
             return
         try:
             if n_dev >= n_host:
-                self.fill(slot.index, self.spill(src.index, n_dev))
-                slot.tokens, slot.private = src.tokens[:n_dev], src.private
+                arrays = self.spill(src.index, n_dev)
+                if n_dev > self._reusable(src.tokens, prompt):  # from its mark: the mark's rows, not today's
+                    arrays = {**arrays, **src.mark.arrays}
+                    self.resumes += 1
+                self.fill(slot.index, arrays)
+                slot.tokens, slot.private, slot.mark = src.tokens[:n_dev], src.private, None
             else:  # the whole parked conversation goes in; the slot keeps the shared part
                 self.fill(slot.index, parked.arrays)
-                slot.tokens, slot.private = parked.tokens[:n_host], parked.private
+                slot.tokens, slot.private, slot.mark = parked.tokens[:n_host], parked.private, None
         except Exception:  # noqa: BLE001 - the new conversation prefills instead
             log.exception("copying a shared prefix into a slot failed")
             slot.tokens, slot.private = [], False
@@ -281,6 +310,16 @@ class SlotTable:
 
     def _claim(self, slot: Slot, owner, prompt, use_cache, now):
         cached = self.reusable(slot, prompt) if use_cache else 0
+        m = slot.mark
+        if m is not None and cached == m.n and cached > self._reusable(slot.tokens, prompt):
+            try:  # resume at the mark: its rows back in place (positions before it were never rewritten)
+                self.fill(slot.index, m.arrays)
+                self.resumes += 1
+            except Exception:  # noqa: BLE001 - the prompt prefills from 0 instead
+                log.exception("restoring a slot's mark failed")
+                slot.mark, cached = None, 0
+        if m is not None and cached < m.n:  # the prefill overwrites what the mark stands on
+            slot.mark = None
         slot.busy, slot.owner, slot.last_used = True, owner, now
         slot.tokens = slot.tokens[:cached]
         if not cached:  # the prefill overwrites the slot from position 0
@@ -302,7 +341,7 @@ class SlotTable:
 
     def invalidate(self, slot: Slot) -> None:
         """The slot's contents are unknown (a failed device step): forget them."""
-        slot.tokens, slot.private = [], False
+        slot.tokens, slot.private, slot.mark = [], False, None
 
     @staticmethod
     def _disown(slot: Slot) -> None:

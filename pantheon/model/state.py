@@ -202,10 +202,18 @@ def _install(buf, slot: int, row):
     return _write_row(buf, slot, row)
 
 
+def export_rows(state, slot: int) -> dict[str, np.ndarray]:
+    """The slot's buffers held as whole rows (sliding rings, recurrent states): what a prefix's
+    attention positions do not hold, so they cannot be rewound; {} where every buffer is positional."""
+    return {f"{name}.{i}": np.asarray(buf[slot]) for name, bufs in _buffers(state) for i, buf in enumerate(bufs)
+            if not _by_position(state, name, buf)}
+
+
 def import_slot(state, slot: int, arrays: dict):
-    """Install exported arrays into `slot` (shapes already validated by the caller)."""
-    updates = {name: [_install(buf, slot, arrays[f"{name}.{i}"]) for i, buf in enumerate(bufs)]
-               for name, bufs in _buffers(state)}
+    """Install exported arrays into `slot` (shapes already validated by the caller); buffers not
+    in `arrays` keep what they hold (export_rows' arrays install the rows alone)."""
+    updates = {name: [_install(buf, slot, arrays[f"{name}.{i}"]) if f"{name}.{i}" in arrays else buf
+                      for i, buf in enumerate(bufs)] for name, bufs in _buffers(state)}
     return dataclasses.replace(state, **updates)
 
 

@@ -91,3 +91,23 @@ def test_a_failed_step_leaves_the_hybrid_model_serving_llamacpp_tokens(engine, g
     assert end.cached_tokens == 0  # the state of the failed turn's slot was unknown: re-prefilled
     tokens, _ = generate(engine, greedy_ref["prompt"]["s5"], 24)
     assert tokens == greedy_ref["generated"]["s5"]
+
+
+def test_a_turn_that_rewrites_the_reply_resumes_from_the_prompts_mark(engine, greedy_ref, monkeypatch):
+    """A recurrent state cannot be rewound, so a turn whose history is not a prefix of its prompt
+    (the client re-rendered the reply: a think block stripped, arguments re-serialised) used to
+    re-prefill everything. The slot marks its rows at the end of each prompt (llama.cpp's context
+    checkpoint): such a turn resumes there, token-identical to a cold prefill."""
+    import pantheon.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MARK_MIN_TOKENS", 1)  # the fixture's prompts are short
+    prompt = greedy_ref["prompt"]["s33"]
+    turn2 = prompt + [5, 6, 7, 42, 43]  # the reply as the client renders it, then the next user turn
+    cold, end_cold = generate(engine, turn2, 8)
+    assert end_cold.cached_tokens == 0
+    first, _ = generate(engine, prompt, 6, session="h-mark")
+    assert first[:3] != [5, 6, 7]  # the history is no prefix of turn 2
+    resumes = engine.table.resumes
+    warm, end2 = generate(engine, turn2, 8, session="h-mark")
+    assert end2.cached_tokens == len(prompt) and engine.table.resumes == resumes + 1
+    assert warm == cold
