@@ -207,21 +207,24 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
     kwargs = {}
     if engine.think:
         kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
-    # A template that refuses the messages as they come may take them with their system turns folded
-    # into user turns: after the first (one that takes a system turn only first), then all of them.
-    tries = [messages]
-    for keep_first in (True, False):
-        if (folded := fold_system_turns(messages, keep_first)) is not messages and folded != tries[-1]:
-            tries.append(folded)
-    for i, turns in enumerate(tries):
-        try:
-            text = engine.render_chat(turns, add_generation_prompt=add_generation_prompt, **kwargs) + prefill
-            break
-        except ChatTemplateError as e:
-            if i == 0:
-                refused = e
-            if i == len(tries) - 1:
-                raise PlanError(f"chat template rejected the messages: {refused}") from None
+    def render(turns):
+        return engine.render_chat(turns, add_generation_prompt=add_generation_prompt, **kwargs) + prefill
+
+    try:
+        text = render(messages)
+    except ChatTemplateError as e:
+        # A template that refuses the messages may take them with their system turns folded into user
+        # turns: those after the first (it takes a system turn only first), then all (it takes none).
+        text = None
+        for keep_first in (True, False):
+            if (folded := fold_system_turns(messages, keep_first)) is not messages:
+                try:
+                    text = render(folded)
+                    break
+                except ChatTemplateError:
+                    pass
+        if text is None:
+            raise PlanError(f"chat template rejected the messages: {e}") from None
     return text, kwargs, dialect, specs, tools_on
 
 

@@ -304,7 +304,7 @@ class SlotTable:
                 slot.tokens, slot.private, slot.mark = parked.tokens[:n_host], parked.private, None
         except Exception:  # noqa: BLE001 - the new conversation prefills instead
             log.exception("copying a shared prefix into a slot failed")
-            slot.tokens, slot.private = [], False
+            slot.tokens, slot.private, slot.mark = [], False, None
             return
         self.copies += 1
 
