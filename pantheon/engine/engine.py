@@ -25,6 +25,7 @@ from pantheon.engine.memory import MemoryLadder
 from pantheon.engine.runner import ModelRunner
 from pantheon.engine.scheduler import BusyError, Scheduler
 from pantheon.engine import blob as session_blob
+from pantheon.engine import sessions
 from pantheon.config import ModelConfig, Settings, session_host_bytes, session_key
 from pantheon.engine.host_budget import HostBudget, process_host_budget
 from pantheon.engine.sessions import CapacityError, Parked, SessionError, SlotTable
@@ -72,10 +73,6 @@ class Throughput:
         recent = [r for r in list(self._recent[kind]) if r[0] >= cutoff]
         seconds = sum(r[2] for r in recent)
         return sum(r[1] for r in recent) / seconds if seconds > 0 else 0.0
-
-
-# A prompt shorter than this is not marked (SlotTable.mark): re-prefilling it costs little.
-MARK_MIN_TOKENS = 256
 
 
 def text_of(gguf: GGUFFile, path: Path, chat_template: str | None = None) -> tuple[Tokenizer, ChatTemplate | None]:
@@ -169,7 +166,9 @@ class Engine:
         devices = list(device.devices.flat) if hasattr(device, "devices") else [device] if device is not None else []
         self.ladder = MemoryLadder(devices=devices)
         self.scheduler = Scheduler(self, self.runner, self.table, settings.queue_depth if settings.batching else 0)
-        self._has_rows = bool(set(self.runner.slot_layout(1)) - self.runner.positional())  # rings, recurrent state
+        # slots are marked (SlotTable.mark) where some buffers are whole rows (rings, recurrent state),
+        # within one process
+        self.marks = bool(set(self.runner.slot_layout(1)) - self.runner.positional()) and jax.process_count() == 1
         self.load_s = time.perf_counter() - t0
         self.weight_bytes = params_nbytes(params)
         self.kv_bytes = self.runner.cache.nbytes
@@ -379,7 +378,7 @@ class Engine:
         """A slot's sliding-ring and recurrent rows once its prompt of n_tok tokens is in (SlotTable.mark),
         for the prompts that are worth it; {} for the others, and where every buffer is positional
         (attention alone rewinds to any prefix) or the slot spans processes."""
-        if n_tok < MARK_MIN_TOKENS or not self._has_rows or jax.process_count() > 1:
+        if n_tok < sessions.MARK_MIN_TOKENS or not self.marks:
             return {}
         return {k: a.copy() if a.flags.writeable else a for k, a in self.runner.export_rows(slot).items()}
 

@@ -29,6 +29,9 @@ class GenerationRequest:
     # given the ones before it, with this many likeliest alternatives (0-20); None: off. The prompt
     # then runs from its first token (no cached prefix: its positions' logits are needed).
     prompt_logprobs: int | None = None
+    # Where the last user turn starts in prompt_ids, for a model whose slots are marked there too
+    # (SlotTable.mark: a conversation sharing only what comes before resumes there); None: no mark.
+    mark_at: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 

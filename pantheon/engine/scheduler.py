@@ -243,6 +243,8 @@ class Scheduler:
             seq.prefill_turn = self._steps + 1
             plan.prefill = seq
             remaining = len(seq.request.prompt_ids) - seq.prefill_at
+            if seq.index == 0 and (at := seq.request.mark_at) is not None and seq.prefill_at < at:
+                remaining = at - seq.prefill_at  # a chunk ends where the last user turn starts: marked there
             plan.chunk = seq.request.prompt_ids[seq.prefill_at:seq.prefill_at + chunk_length(remaining, self._chunk_size(seq), self.runner.padding_free)]
         plan.work = self._work(plan)
         return plan
@@ -366,6 +368,8 @@ class Scheduler:
         if seq is not None:
             seq.prefill_at += len(plan.chunk)
             seq.history.extend(plan.chunk)
+            if seq.prefill_at == seq.request.mark_at and out.prefill is None:  # the last user turn starts
+                self._mark(seq)
             self._progress(seq, seq.prefill_at)
             if out.scores is not None:
                 self._scores(seq, plan.work.prefill.targets, out.scores)
@@ -382,7 +386,8 @@ class Scheduler:
             self._accept(s, out.decode, i, policy)
 
     def _mark(self, seq: Sequence) -> None:
-        """The prompt is in the slot: mark the rows a later prompt could not rewind to (SlotTable.mark)."""
+        """Mark the slot's rows as they stand after the sequence's history so far (its prompt, or the
+        part before its last user turn), which a later prompt could not rewind to (SlotTable.mark)."""
         if seq.index != 0:
             return
         try:

@@ -66,14 +66,15 @@ class Slot:
     busy: bool = False  # a sequence is running in it
     last_used: float = 0.0
     private: bool = False  # holds KV from a restore (or grown from one): never shared with another id
-    mark: "Mark | None" = None  # its rows at the end of its last prompt (rings, recurrent models)
+    marks: list = field(default_factory=list)  # Mark: its rows at points of its history (rings, recurrent models)
 
 
 @dataclass(eq=False)  # identity: the arrays do not compare
 class Mark:
-    """A slot's state at the end of its last prompt, where it cannot be rewound: the rows of its
-    sliding rings and recurrent states after its first `n` tokens (llama.cpp's context checkpoint).
-    A later prompt sharing those n tokens resumes there, with the rows put back, instead of from 0."""
+    """A slot's state at a point of its history where it cannot be rewound: the rows of its sliding
+    rings and recurrent states after its first `n` tokens (llama.cpp's context checkpoint), taken
+    where a prompt ends and where its last user turn starts. A later prompt sharing those n tokens
+    resumes there, with the rows put back, instead of from 0."""
 
     tokens: list[int]  # the n tokens it stands on
     arrays: dict
@@ -120,6 +121,10 @@ Spill = Callable[[int, int], dict]  # (slot index, n_tok) -> host arrays of that
 Fill = Callable[[int, dict], None]  # (slot index, arrays) -> those arrays installed in the slot
 
 
+MAX_MARKS = 3  # a slot's marks: its last prompt's end and last user turn's start, and its first such start
+MARK_MIN_TOKENS = 256  # history shorter than this is not marked: re-prefilling it costs little
+
+
 class SlotTable:
     def __init__(self, n_slots: int, max_sessions: int, can_truncate: bool = True,
                  idle_ttl_s: float = 12 * 3600, watch_grace_s: float = 45.0, max_watches: int = 64,
@@ -149,15 +154,26 @@ class SlotTable:
         left to prefill, for the logits): from its history, or from its mark where the history cannot
         be rewound that far (a recurrent state, a ring written past the prefix)."""
         n = self._reusable(slot.tokens, prompt)
-        m = slot.mark
-        # the slot still holds the mark's tokens (its positions before the mark), and the prompt starts so
-        if m is not None and n < m.n < len(prompt) and slot.tokens[:m.n] == m.tokens == prompt[:m.n]:
-            return m.n
-        return n
+        m = self._mark_for(slot, prompt, n)
+        return m.n if m is not None else n
+
+    def _mark_for(self, slot: Slot, prompt: list[int], n: int) -> Mark | None:
+        """The slot's mark that serves more of the prompt than its history's n tokens: the slot still
+        holds the mark's tokens (its positions before it), and the prompt starts with them."""
+        fits = [m for m in slot.marks if n < m.n < len(prompt) and slot.tokens[:m.n] == m.tokens == prompt[:m.n]]
+        return max(fits, key=lambda m: m.n, default=None)
 
     def mark(self, slot: Slot, tokens: list[int], arrays: dict) -> None:
-        """The slot's rows once `tokens` are in it (the prompt its running sequence just prefilled)."""
-        slot.mark = Mark(list(tokens), arrays) if arrays else None
+        """The slot's rows once `tokens` are in it (its running sequence's prompt, or the part before
+        the last user turn). At most MAX_MARKS a slot: past them the oldest goes, but the one nearest
+        the start (a system prompt other conversations share) stays."""
+        if not arrays:
+            return
+        marks = [m for m in slot.marks if m.n != len(tokens)] + [Mark(list(tokens), arrays)]
+        while len(marks) > MAX_MARKS:
+            first = min(marks, key=lambda m: m.n)
+            marks.remove(next(m for m in marks if m is not first))
+        slot.marks = marks
 
     def _reusable(self, history: list[int], prompt: list[int]) -> int:
         n = common_prefix(history, prompt)
@@ -278,10 +294,11 @@ class SlotTable:
         return min(candidates, key=lambda s: s.last_used)
 
     def _seed(self, slot: Slot, session: Session, prompt) -> None:
-        """Copy-on-diverge (attention-only models): give a new conversation the longest prefix it
-        shares with another conversation of its id — copied from that one's slot, or filled from the
-        host tier — so that conversation stays intact where it is."""
-        if not (self.can_truncate and self.spill and self.fill):
+        """Copy-on-diverge: give a new conversation the longest prefix it shares with another
+        conversation of its id — copied from that one's slot (on a sliding or recurrent model, from
+        its mark: the positions before it and the mark's rows), or filled from the host tier — so
+        that conversation stays intact where it is."""
+        if not (self.spill and self.fill):
             return
         have = self.reusable(slot, prompt)
         src = max((s for s in self.slots if s.owner == session.id and not s.busy and s is not slot),
@@ -294,32 +311,33 @@ class SlotTable:
         try:
             if n_dev >= n_host:
                 arrays = self.spill(src.index, n_dev)
-                if n_dev > self._reusable(src.tokens, prompt):  # from its mark: the mark's rows, not today's
-                    arrays = {**arrays, **src.mark.arrays}
+                if (m := self._mark_for(src, prompt, self._reusable(src.tokens, prompt))) is not None:
+                    arrays = {**arrays, **m.arrays}  # from its mark: the mark's rows, not today's
                     self.resumes += 1
                 self.fill(slot.index, arrays)
-                slot.tokens, slot.private, slot.mark = src.tokens[:n_dev], src.private, None
+                slot.tokens, slot.private, slot.marks = src.tokens[:n_dev], src.private, []
             else:  # the whole parked conversation goes in; the slot keeps the shared part
                 self.fill(slot.index, parked.arrays)
-                slot.tokens, slot.private, slot.mark = parked.tokens[:n_host], parked.private, None
+                slot.tokens, slot.private, slot.marks = parked.tokens[:n_host], parked.private, []
         except Exception:  # noqa: BLE001 - the new conversation prefills instead
             log.exception("copying a shared prefix into a slot failed")
-            slot.tokens, slot.private, slot.mark = [], False, None
+            slot.tokens, slot.private, slot.marks = [], False, []
             return
         self.copies += 1
 
     def _claim(self, slot: Slot, owner, prompt, use_cache, now):
-        cached = self.reusable(slot, prompt) if use_cache else 0
-        m = slot.mark
-        if m is not None and cached == m.n and cached > self._reusable(slot.tokens, prompt):
+        cached = self._reusable(slot.tokens, prompt) if use_cache else 0
+        if use_cache and (m := self._mark_for(slot, prompt, cached)) is not None:
             try:  # resume at the mark: its rows back in place (positions before it were never rewritten)
                 self.fill(slot.index, m.arrays)
+                cached = m.n
                 self.resumes += 1
-            except Exception:  # noqa: BLE001 - the prompt prefills from 0 instead
+            except Exception:  # noqa: BLE001 - the prompt prefills from its history's prefix instead
                 log.exception("restoring a slot's mark failed")
-                slot.mark, cached = None, 0
-        if m is not None and cached < m.n:  # the prefill overwrites what the mark stands on
-            slot.mark = None
+                slot.marks = []
+        # the prefill overwrites what later marks stand on (and a ring's rows moved past the others'
+        # tokens are still those of the same history: the marks before `cached` stay)
+        slot.marks = [m for m in slot.marks if m.n <= cached]
         slot.busy, slot.owner, slot.last_used = True, owner, now
         slot.tokens = slot.tokens[:cached]
         if not cached:  # the prefill overwrites the slot from position 0
@@ -341,7 +359,7 @@ class SlotTable:
 
     def invalidate(self, slot: Slot) -> None:
         """The slot's contents are unknown (a failed device step): forget them."""
-        slot.tokens, slot.private, slot.mark = [], False, None
+        slot.tokens, slot.private, slot.marks = [], False, []
 
     @staticmethod
     def _disown(slot: Slot) -> None:

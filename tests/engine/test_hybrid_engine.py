@@ -98,9 +98,9 @@ def test_a_turn_that_rewrites_the_reply_resumes_from_the_prompts_mark(engine, gr
     (the client re-rendered the reply: a think block stripped, arguments re-serialised) used to
     re-prefill everything. The slot marks its rows at the end of each prompt (llama.cpp's context
     checkpoint): such a turn resumes there, token-identical to a cold prefill."""
-    import pantheon.engine.engine as engine_module
+    from pantheon.engine import sessions
 
-    monkeypatch.setattr(engine_module, "MARK_MIN_TOKENS", 1)  # the fixture's prompts are short
+    monkeypatch.setattr(sessions, "MARK_MIN_TOKENS", 1)  # the fixture's prompts are short
     prompt = greedy_ref["prompt"]["s33"]
     turn2 = prompt + [5, 6, 7, 42, 43]  # the reply as the client renders it, then the next user turn
     cold, end_cold = generate(engine, turn2, 8)

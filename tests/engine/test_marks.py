@@ -1,19 +1,20 @@
-"""A slot marks its sliding rings and recurrent states at the end of each prompt (SlotTable.mark,
-llama.cpp's context checkpoint): a later prompt that shares that prompt but not what followed it
-resumes there, with the rows put back, where the history alone cannot be rewound that far. The
-recurrent case (qwen35moe) is tested in test_hybrid_engine.py; here, sliding rings."""
+"""A slot marks its sliding rings and recurrent states at the end of each prompt and where its
+last user turn starts (SlotTable.mark, llama.cpp's context checkpoints): a later prompt that shares
+that much but not what followed resumes there, with the rows put back, where the history alone
+cannot be rewound that far. The recurrent case (qwen35moe) is tested in test_hybrid_engine.py;
+here, sliding rings."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-import pantheon.engine.engine as engine_module
 from pantheon.config import ModelConfig
 from pantheon.engine.engine import Engine
 from pantheon.engine.events import Delta, GenerationRequest, RequestEnd
 from pantheon.engine.sampler import SamplingParams
-from pantheon.engine.sessions import Mark, Slot, SlotTable
+from pantheon.engine import sessions
+from pantheon.engine.sessions import Mark, SlotTable
 from pantheon.model.state import rewind
 from tests.fixtures.tiny_models import write_tiny_llama
 
@@ -29,7 +30,7 @@ def gemma(tmp_path_factory):
     return Engine(ModelConfig(str(path), ctx_cap=CTX, max_sessions=2, max_concurrent=2))
 
 
-def generate(engine, prompt, n, session=None):
+def generate(engine, prompt, n, session=None, mark_at=None):
     eog = engine.tokenizer.eog_ids  # banned: n tokens, unless the text loops (a tiny model's does)
     params = SamplingParams(temperature=0.0, logit_bias=tuple((t, -100.0) for t in eog))
     tokens, end = [], []
@@ -40,7 +41,7 @@ def generate(engine, prompt, n, session=None):
         elif isinstance(ev, RequestEnd):
             end.append(ev)
 
-    engine.run_sync(GenerationRequest(list(prompt), [params], n, session_id=session), emit)
+    engine.run_sync(GenerationRequest(list(prompt), [params], n, session_id=session, mark_at=mark_at), emit)
     return tokens, end[0]
 
 
@@ -69,7 +70,7 @@ def test_a_mark_serves_only_the_tokens_it_stands_on():
     slot = table.slots[0]
     table.rewind = 2
     slot.tokens = [1, 2, 3, 4, 5, 6, 7, 8]
-    slot.mark = Mark([1, 2, 3, 4], {"rows": 0})
+    slot.marks = [Mark([1, 2, 3, 4], {"rows": 0})]
     assert table.reusable(slot, [1, 2, 3, 4, 9]) == 4  # history alone: 8 - 4 > rewind 2
     assert table.reusable(slot, [1, 2, 3, 9]) == 0  # the prompt leaves the mark's tokens
     assert table.reusable(slot, [1, 2, 3, 4]) == 3 - 3  # nothing left to prefill past the mark: no reuse from it
@@ -80,11 +81,41 @@ def test_a_mark_serves_only_the_tokens_it_stands_on():
     assert got is slot and cached == 4 and filled == [{"rows": 0}] and slot.tokens == [1, 2, 3, 4]
     table.release_slot(slot, [1, 2, 3, 4, 9, 10])
     got, cached = table.acquire(None, [1, 2, 7])  # a prefill from before the mark overwrites it
-    assert cached == 0 and slot.mark is None
+    assert cached == 0 and slot.marks == []
+    table.release_slot(slot, [1, 2, 7, 8])
+    for n in (1, 2, 3, 4):  # at most MAX_MARKS; the one nearest the start stays
+        table.mark(slot, [1, 2, 7, 8][:n], {"rows": n})
+    assert [m.n for m in slot.marks] == [1, 3, 4] and sessions.MAX_MARKS == 3
 
 
 def test_a_short_prompt_is_not_marked(gemma):
-    assert engine_module.MARK_MIN_TOKENS == 256
+    assert sessions.MARK_MIN_TOKENS == 256
     assert gemma.mark_rows(0, 100) == {}
     rows = gemma.mark_rows(0, 300)
     assert rows and set(rows) == set(gemma.runner.slot_layout(1)) - gemma.runner.positional()
+
+
+def test_a_conversation_sharing_only_the_system_prompt_resumes_where_its_user_turn_starts(gemma, monkeypatch):
+    """Two conversations with the same long system prompt (two Claude Code sessions: ~20k tokens of
+    instructions and tools) and different user turns: once the first has run on past the ring's
+    rewind, the second resumes at the mark where its user turn starts, not from 0."""
+    from pantheon.engine.chat import plan_chat
+    from pantheon.engine.sequence import Sequence
+    from pantheon.web.chat_request import parse_chat_request
+
+    system = " ".join(f"rule {i}: be exact." for i in range(60))  # ~1100 tokens of the tiny vocabulary
+    chat = lambda question: parse_chat_request({"messages": [{"role": "system", "content": system},
+                                                            {"role": "user", "content": question}]})
+    first, second = plan_chat(gemma, chat("What is 2 + 2?")).request, plan_chat(gemma, chat("Name a colour.")).request
+    at = first.mark_at  # where the user turn starts: the system prompt's tokens before it
+    assert at is not None and at == second.mark_at > 1000 and first.prompt_ids[:at] == second.prompt_ids[:at]
+    assert first.prompt_ids != second.prompt_ids
+    cold, end = generate(gemma, second.prompt_ids, 8, mark_at=at)
+    with monkeypatch.context() as m:  # the first conversation runs 600 tokens on: its ring moves past the rewind
+        m.setattr(Sequence, "compelled", property(lambda self: True))
+        _, end = generate(gemma, first.prompt_ids, 600, mark_at=at)
+    assert end.completion_tokens == 600
+    resumes = gemma.table.resumes
+    warm, end = generate(gemma, second.prompt_ids, 8, mark_at=at)
+    assert end.cached_tokens == at and gemma.table.resumes == resumes + 1
+    assert warm == cold
