@@ -28,13 +28,19 @@ def _text(where: str, value, sep: str = "") -> str:
     return joined_text(where, value, {"text": "text"}, sep)
 
 
-_BILLING_HASH = re.compile(r"^(x-anthropic-billing-header:[^\n]*?cch=)[^;\n]{5};", re.MULTILINE)
+_BILLING_HEADER = re.compile(r"\Ax-anthropic-billing-header:[^\n]*(\n+|\Z)")
 
 
 def _system_text(where: str, value) -> str:
-    """A system prompt's text. Claude Code opens it with a billing header whose `cch=` hash changes
-    from request to request: held fixed, as llama-server does, so the prompt's prefix stays cached."""
-    return _BILLING_HASH.sub(r"\1fffff;", _text(where, value, "\n\n"))
+    """A system prompt's text. Claude Code opens it with a billing header (`x-anthropic-billing-
+    header: cc_version=2.1.197.c23; ...`) whose version suffix and `cch=` hash change from request
+    to request: left out (Anthropic's billing metadata, no instruction), so the prompt's prefix
+    stays cached across requests and sessions. llama-server holds the `cch=` hash fixed, which
+    leaves the version suffix to change."""
+    if isinstance(value, list):  # its own text block
+        value = [b for b in value if not (isinstance(b, dict) and isinstance(b.get("text"), str)
+                                          and _BILLING_HEADER.match(b["text"]))] or ""
+    return _BILLING_HEADER.sub("", _text(where, value, "\n\n"))
 
 
 def _turns(i: int, msg) -> list[dict]:

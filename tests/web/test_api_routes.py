@@ -73,8 +73,8 @@ def test_messages_unknown_subroute_is_a_404_in_anthropics_shape(app):
 
 def test_messages_take_claude_codes_system_turns_and_billing_header(app):
     """Claude Code (2.1) sends system turns among the messages and opens its system prompt with a
-    billing header whose `cch=` hash changes per request: the turns are kept in their place (the
-    prompt equals the OpenAI form's), the hash held fixed as llama-server holds it."""
+    billing header that changes per request: the turns are kept in their place (the prompt equals
+    the OpenAI form's), the header left out."""
     from pantheon.web.anthropic_routes import _system_text
 
     turns = [{"role": "user", "content": "hello"}, {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
@@ -85,11 +85,15 @@ def test_messages_take_claude_codes_system_turns_and_billing_header(app):
     status, prompt, _ = app.post("/apply-template", {"messages": [turns[0], {"role": "system", "content": "Be brief."},
                                                                   turns[2]]})
     assert counted == len(app.engine().encode_prompt(prompt["prompt"])) and "Be brief." in prompt["prompt"]
-    header = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.9; cch=a1b2c; cc_entrypoint=cli;"},
-              {"type": "text", "text": "You are Claude Code."}]
-    assert _system_text("system", header) == \
-        "x-anthropic-billing-header: cc_version=2.1.9; cch=fffff; cc_entrypoint=cli;\n\nYou are Claude Code."
-    assert _system_text("system", "You are cch=a1b2c; here.") == "You are cch=a1b2c; here."  # not a header
+    # the billing header changes per request (its version suffix, its cch= hash): left out, so the
+    # system prompt is the same text for every request and session of a client
+    for version in ("2.1.197.c23; cch=a1b2c", "2.1.197.03a"):
+        header = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version={version}; cc_entrypoint=cli;"},
+                  {"type": "text", "text": "You are Claude Code."}]
+        assert _system_text("system", header) == "You are Claude Code."
+        assert _system_text("system", header[0]["text"] + "\nYou are Claude Code.") == "You are Claude Code."
+    assert _system_text("system", "You are x-anthropic-billing-header: here.") == \
+        "You are x-anthropic-billing-header: here."  # not a header
     from pantheon.web.anthropic_routes import parse_messages_request
 
     async def thinking(kind):
