@@ -303,6 +303,7 @@ class Engine:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self.table.drop_marks()  # their bytes back to the process's host budget
         if self.runner.mirror is not None:  # the followers of a multi-process model leave too
             self.runner.mirror.send(None)
             self.runner.mirror = None

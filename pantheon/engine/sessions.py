@@ -78,6 +78,7 @@ class Mark:
 
     tokens: list[int]  # the n tokens it stands on
     arrays: dict
+    nbytes: int = 0  # drawn from the host tier's budget while it is kept
 
     @property
     def n(self) -> int:
@@ -165,15 +166,32 @@ class SlotTable:
 
     def mark(self, slot: Slot, tokens: list[int], arrays: dict) -> None:
         """The slot's rows once `tokens` are in it (its running sequence's prompt, or the part before
-        the last user turn). At most MAX_MARKS a slot: past them the oldest goes, but the one nearest
+        the last user turn), held in host memory drawn from the host tier's budget (none left, or
+        no tier: no mark). At most MAX_MARKS a slot: past them the oldest goes, but the one nearest
         the start (a system prompt other conversations share) stays."""
         if not arrays:
             return
-        marks = [m for m in slot.marks if m.n != len(tokens)] + [Mark(list(tokens), arrays)]
-        while len(marks) > MAX_MARKS:
-            first = min(marks, key=lambda m: m.n)
-            marks.remove(next(m for m in marks if m is not first))
-        slot.marks = marks
+        self._keep_marks(slot, lambda m: m.n != len(tokens))
+        nbytes = sum(a.nbytes for a in arrays.values())
+        if not self.host.reserve(nbytes):
+            return
+        slot.marks.append(Mark(list(tokens), arrays, nbytes))
+        while len(slot.marks) > MAX_MARKS:
+            first = min(slot.marks, key=lambda m: m.n)
+            gone = next(m for m in slot.marks if m is not first)
+            self._keep_marks(slot, lambda m: m is not gone)
+
+    def _keep_marks(self, slot: Slot, keep: Callable[[Mark], bool]) -> None:
+        """The slot's marks that `keep` says still hold; the others' bytes go back to the budget."""
+        for m in slot.marks:
+            if not keep(m):
+                self.host.free(m.nbytes)
+        slot.marks = [m for m in slot.marks if keep(m)]
+
+    def drop_marks(self) -> None:
+        """Every slot's marks, and their bytes back to the budget (the model is unloading)."""
+        for slot in self.slots:
+            self._keep_marks(slot, lambda m: False)
 
     def _reusable(self, history: list[int], prompt: list[int]) -> int:
         n = common_prefix(history, prompt)
@@ -315,13 +333,16 @@ class SlotTable:
                     arrays = {**arrays, **m.arrays}  # from its mark: the mark's rows, not today's
                     self.resumes += 1
                 self.fill(slot.index, arrays)
-                slot.tokens, slot.private, slot.marks = src.tokens[:n_dev], src.private, []
+                self._keep_marks(slot, lambda m: False)
+                slot.tokens, slot.private = src.tokens[:n_dev], src.private
             else:  # the whole parked conversation goes in; the slot keeps the shared part
                 self.fill(slot.index, parked.arrays)
-                slot.tokens, slot.private, slot.marks = parked.tokens[:n_host], parked.private, []
+                self._keep_marks(slot, lambda m: False)
+                slot.tokens, slot.private = parked.tokens[:n_host], parked.private
         except Exception:  # noqa: BLE001 - the new conversation prefills instead
             log.exception("copying a shared prefix into a slot failed")
-            slot.tokens, slot.private, slot.marks = [], False, []
+            self._keep_marks(slot, lambda m: False)
+            slot.tokens, slot.private = [], False
             return
         self.copies += 1
 
@@ -334,10 +355,10 @@ class SlotTable:
                 self.resumes += 1
             except Exception:  # noqa: BLE001 - the prompt prefills from its history's prefix instead
                 log.exception("restoring a slot's mark failed")
-                slot.marks = []
+                self._keep_marks(slot, lambda m: False)
         # the prefill overwrites what later marks stand on (and a ring's rows moved past the others'
         # tokens are still those of the same history: the marks before `cached` stay)
-        slot.marks = [m for m in slot.marks if m.n <= cached]
+        self._keep_marks(slot, lambda m: m.n <= cached)
         slot.busy, slot.owner, slot.last_used = True, owner, now
         slot.tokens = slot.tokens[:cached]
         if not cached:  # the prefill overwrites the slot from position 0
@@ -359,7 +380,8 @@ class SlotTable:
 
     def invalidate(self, slot: Slot) -> None:
         """The slot's contents are unknown (a failed device step): forget them."""
-        slot.tokens, slot.private, slot.marks = [], False, []
+        slot.tokens, slot.private = [], False
+        self._keep_marks(slot, lambda m: False)
 
     @staticmethod
     def _disown(slot: Slot) -> None:
@@ -413,13 +435,19 @@ class SlotTable:
         self._unstore(session, parked)
 
     def _fits(self, nbytes: int) -> bool:
-        """Could `nbytes` be parked, dropping every conversation this table has parked if need be?"""
-        return nbytes <= self.host.limit - (self.host.used - self.host_bytes)
+        """Could `nbytes` be parked, dropping every conversation this table has parked (and its
+        marks) if need be?"""
+        marks = sum(m.nbytes for slot in self.slots for m in slot.marks)
+        return nbytes <= self.host.limit - (self.host.used - self.host_bytes - marks)
 
     def _make_room(self, nbytes: int) -> bool:
         if not self._fits(nbytes):
             return False
         while not self.host.reserve(nbytes):
+            marked = [s for s in self.slots if s.marks]
+            if marked:  # a parked conversation is worth more than a mark: the marks go first
+                self._keep_marks(min(marked, key=lambda s: s.last_used), lambda m: False)
+                continue
             lru = min(((s, p) for s in self.sessions.values() for p in s.host if p is not self._pinned),
                       key=lambda sp: sp[1].last_used, default=None)
             if lru is None:

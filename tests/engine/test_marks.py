@@ -65,12 +65,15 @@ def test_a_prompt_past_the_rings_rewind_resumes_from_its_mark(gemma, monkeypatch
 
 
 def test_a_mark_serves_only_the_tokens_it_stands_on():
-    filled = []
-    table = SlotTable(1, 1, fill=lambda i, arrays: filled.append(arrays))
+    from pantheon.engine.host_budget import HostBudget
+
+    filled, budget = [], HostBudget(10_000)
+    table = SlotTable(1, 1, fill=lambda i, arrays: filled.append(arrays), host=budget)
     slot = table.slots[0]
     table.rewind = 2
     slot.tokens = [1, 2, 3, 4, 5, 6, 7, 8]
-    slot.marks = [Mark([1, 2, 3, 4], {"rows": 0})]
+    table.mark(slot, [1, 2, 3, 4], {"rows": np.zeros(100, np.uint8)})
+    assert budget.used == 100  # a mark's bytes come from the host tier's budget
     assert table.reusable(slot, [1, 2, 3, 4, 9]) == 4  # history alone: 8 - 4 > rewind 2
     assert table.reusable(slot, [1, 2, 3, 9]) == 0  # the prompt leaves the mark's tokens
     assert table.reusable(slot, [1, 2, 3, 4]) == 3 - 3  # nothing left to prefill past the mark: no reuse from it
@@ -78,14 +81,18 @@ def test_a_mark_serves_only_the_tokens_it_stands_on():
     assert table.reusable(slot, [1, 2, 3, 4, 9]) == 0
     slot.tokens = [1, 2, 3, 4, 5, 6, 7, 8]
     got, cached = table.acquire(None, [1, 2, 3, 4, 9])
-    assert got is slot and cached == 4 and filled == [{"rows": 0}] and slot.tokens == [1, 2, 3, 4]
+    assert got is slot and cached == 4 and len(filled) == 1 and slot.tokens == [1, 2, 3, 4]
     table.release_slot(slot, [1, 2, 3, 4, 9, 10])
     got, cached = table.acquire(None, [1, 2, 7])  # a prefill from before the mark overwrites it
-    assert cached == 0 and slot.marks == []
+    assert cached == 0 and slot.marks == [] and budget.used == 0
     table.release_slot(slot, [1, 2, 7, 8])
     for n in (1, 2, 3, 4):  # at most MAX_MARKS; the one nearest the start stays
-        table.mark(slot, [1, 2, 7, 8][:n], {"rows": n})
-    assert [m.n for m in slot.marks] == [1, 3, 4] and sessions.MAX_MARKS == 3
+        table.mark(slot, [1, 2, 7, 8][:n], {"rows": np.zeros(1000, np.uint8)})
+    assert [m.n for m in slot.marks] == [1, 3, 4] and sessions.MAX_MARKS == 3 and budget.used == 3000
+    table.mark(slot, [1, 2, 7, 8, 9], {"rows": np.zeros(9000, np.uint8)})  # past the budget: no mark
+    assert [m.n for m in slot.marks] == [1, 3, 4] and budget.used == 3000
+    table.drop_marks()  # the model unloads
+    assert slot.marks == [] and budget.used == 0
 
 
 def test_a_short_prompt_is_not_marked(gemma):

@@ -344,3 +344,14 @@ def test_a_q8_0_blob_with_a_non_finite_scale_is_refused(tmp_path):
             engine.restore_session("scale2", session_blob.pack(header, poisoned, engine.blob_key), exported["tokens"])
     assert engine.restore_session("scale2", exported["blob"], exported["tokens"])["restored"]
     engine.stop()
+
+
+def test_parking_a_session_takes_the_host_budget_from_marks_first():
+    """Marks (SlotTable.mark) draw on the host tier's budget, but a parked conversation is worth
+    more: when one needs the room, the least recently used slot's marks go first."""
+    t, dev = table(n_slots=1, max_sessions=1, host_bytes=85 * TOKEN_BYTES)
+    _, hist = turn(t, dev, "a", TEMPLATE + [10, 11])
+    t.mark(t.slots[0], hist[:4], {"rows": np.zeros(80 * TOKEN_BYTES, np.uint8)})
+    assert t.host.used == 80 * TOKEN_BYTES
+    turn(t, dev, "b", TEMPLATE + [30])  # a new id at the bound parks "a": 10 tokens' bytes, past what is left
+    assert t.tiers()["on_host"] == 1 and t.host.used == 10 * TOKEN_BYTES and t.dropped == 0
