@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
+from pantheon import cli_llama, cli_types
 from pantheon.config import KV_DTYPE_CHOICES, admin_token
 from pantheon.engine.backend import compiled_backend, configure_jax, reexec_with_tcmalloc
 from pantheon.engine.memory import limit_thread_caches
@@ -226,111 +226,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else None
-    if value is None or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _unit_float(text: str) -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    value = _float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def _n_predict(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else None
-    if value is None or value == 0 or value < -1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (to the window), got {text!r}")
-    return value
-
-
-def _reasoning_budget(text: str) -> int:
-    return 0 if text.strip() == "-1" else _non_negative_int(text)  # llama-server's -1: unrestricted
-
-
-def _gguf_file(text: str) -> str:
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text}")
-    return text
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
-    return value
-
-
-def _int_list(text: str) -> list[int]:
-    """"1,4,8" -> [1, 4, 8]; [] when any item is not an integer."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        return []
-
-
-def _levels(text: str) -> str:
-    levels = _int_list(text)
-    if not levels or min(levels) <= 0:
-        raise argparse.ArgumentTypeError(f"takes comma-separated positive integers, e.g. 1,4,8; got {text!r}")
-    return text
-
-
-def _dies(text: str) -> str:
-    dies = _int_list(text)
-    if not dies or min(dies) < 0:
-        raise argparse.ArgumentTypeError(f"takes comma-separated device ordinals, e.g. 0,1; got {text!r}")
-    return text
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -361,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, formatter_class=_HelpFormatter, **kw)
 
     def model_args(sp):
-        sp.add_argument("-m", "--model", type=_gguf_file, help=DEFAULT_MODEL_HELP)
+        sp.add_argument("-m", "--model", type=cli_types.gguf_file, help=DEFAULT_MODEL_HELP)
         sp.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help=NUMERICS_HELP)
         sp.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto", help=KV_DTYPE_HELP)
 
@@ -375,10 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = add("generate", help="generate a completion for one prompt")
     model_args(g)
-    g.add_argument("--max-tokens", type=_positive_int, default=256, help="tokens to generate at most")
-    g.add_argument("--temperature", type=_non_negative_float, default=0.7, help="sampling temperature; 0 is greedy")
-    g.add_argument("--top-p", type=_unit_float, default=0.95, help="nucleus sampling mass, in (0, 1]")
-    g.add_argument("--top-k", type=_non_negative_int, default=40, help="sample among the k likeliest tokens; 0: all")
+    g.add_argument("--max-tokens", type=cli_types.positive_int, default=256, help="tokens to generate at most")
+    g.add_argument("--temperature", type=cli_types.non_negative_float, default=0.7, help="sampling temperature; 0 is greedy")
+    g.add_argument("--top-p", type=cli_types.unit_float, default=0.95, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=cli_types.non_negative_int, default=40, help="sample among the k likeliest tokens; 0: all")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh random seed)")
     chat_template_args(g)
     g.add_argument("--raw", action="store_true", help="feed PROMPT as-is instead of one chat user message")
@@ -388,39 +283,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     t = add("tokenize", help="print the token ids of TEXT as a JSON list")
-    t.add_argument("--model", type=_gguf_file, help=DEFAULT_MODEL_HELP)
+    t.add_argument("--model", type=cli_types.gguf_file, help=DEFAULT_MODEL_HELP)
     t.add_argument("--no-special", action="store_true", help="do not parse special-token text")
     t.add_argument("text", help="the text to tokenize")
     t.set_defaults(func=cmd_tokenize)
 
     b = add("bench", help="prefill and decode throughput, time to first token")
     model_args(b)
-    b.add_argument("--prompt-tokens", type=_positive_int, default=512, help="prompt length of the one-stream run")
-    b.add_argument("--decode-tokens", type=_positive_int, default=128, help="tokens decoded per stream")
-    b.add_argument("--concurrency", type=_levels,
+    b.add_argument("--prompt-tokens", type=cli_types.positive_int, default=512, help="prompt length of the one-stream run")
+    b.add_argument("--decode-tokens", type=cli_types.positive_int, default=128, help="tokens decoded per stream")
+    b.add_argument("--concurrency", type=cli_types.levels,
                    help="comma-separated levels, e.g. 1,4,8: aggregate decode tok/s and TTFT p50/p95 against a "
                         "live server, started here unless --url (default: off, the engine directly)")
     b.add_argument("--url", help="a running server to measure with --concurrency (default: start one here)")
     b.add_argument("--against", metavar="URL",
                    help="with --concurrency: also measure this OpenAI-compatible server (e.g. llama-server on the "
                         "same model), alternating run by run, and print both with the ratios (default: off)")
-    b.add_argument("--long-prompt-words", type=_non_negative_int, default=1200,
+    b.add_argument("--long-prompt-words", type=cli_types.non_negative_int, default=1200,
                    help="with --concurrency: the TTFT of one prompt of this many words (~1500 tokens) per run, "
                         "alone on each server; 0: off (default: 1200)")
-    b.add_argument("--ctx-cap", type=_positive_int, default=2048,
+    b.add_argument("--ctx-cap", type=cli_types.positive_int, default=2048,
                    help="with --concurrency: context per session of the server started here; llama-server's "
                         "match is -c <ctx-cap x its -np> (default: 2048)")
-    b.add_argument("--runs", type=_positive_int, default=3,
+    b.add_argument("--runs", type=cli_types.positive_int, default=3,
                    help="measured runs per level (and per server); the median run is reported (default: 3)")
-    b.add_argument("--interleave", type=_positive_int, metavar="N",
+    b.add_argument("--interleave", type=cli_types.positive_int, metavar="N",
                    help="short-request TTFT and a running stream's decode tok/s, alone and beside an "
                         "N-token prefill, through the scheduler (default: off)")
     b.set_defaults(func=cmd_bench)
 
     pr = add("profile", help="capture a jax.profiler trace of a few requests into profiles/")
     model_args(pr)
-    pr.add_argument("--requests", type=_positive_int, default=4, help="requests to trace")
-    pr.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens generated per request")
+    pr.add_argument("--requests", type=cli_types.positive_int, default=4, help="requests to trace")
+    pr.add_argument("--max-tokens", type=cli_types.positive_int, default=32, help="tokens generated per request")
     pr.add_argument("--out", default="profiles", help="folder for <timestamp>-<model>/")
     pr.set_defaults(func=cmd_profile)
 
@@ -435,17 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-a", "--alias", "--name", dest="name", action="append", default=[],
                    help="served name for the matching --model (default: the file name without .gguf)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=_port, default=8080, help="port to listen on")
-    s.add_argument("--ctx-cap", type=_positive_int, default=None,
+    s.add_argument("--port", type=cli_types.port, default=8080, help="port to listen on")
+    s.add_argument("--ctx-cap", type=cli_types.positive_int, default=None,
                    help="context tokens per slot (default: $PANTHEON_CTX_CAP, else 4096)")
-    s.add_argument("--max-sessions", type=_positive_int, default=None,
+    s.add_argument("--max-sessions", type=cli_types.positive_int, default=None,
                    help="sessions kept on the device (default: $PANTHEON_MAX_SESSIONS, else 4)")
-    s.add_argument("--max-concurrent", type=_positive_int, default=None,
+    s.add_argument("--max-concurrent", type=cli_types.positive_int, default=None,
                    help="requests decoding together (default: $PANTHEON_MAX_CONCURRENT, else --max-sessions)")
-    s.add_argument("--reasoning-budget", type=_reasoning_budget, default=None,
+    s.add_argument("--reasoning-budget", type=cli_types.reasoning_budget, default=None,
                    help="thinking tokens per turn before the think block is closed; 0 or llama-server's -1: no "
                         "budget (default: $PANTHEON_REASONING_BUDGET, else 0: no budget)")
-    s.add_argument("--dies", type=_dies, default=None,
+    s.add_argument("--dies", type=cli_types.dies, default=None,
                    help="comma-separated device ordinals, e.g. 0,1 (default: the die manager's choice)")
     s.add_argument("--admin-token", default=None,
                    help="require Authorization: Bearer TOKEN on /admin/* (default $PANTHEON_ADMIN_TOKEN; "
@@ -466,112 +361,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one model over several processes/hosts: the jax.distributed coordinator (process 0's "
                         "address); every process runs the same serve command with its --process-id "
                         "(default: none, one process)")
-    s.add_argument("--num-processes", type=_positive_int, default=1, help="processes in all, with --coordinator (default: 1)")
-    s.add_argument("--process-id", type=_non_negative_int, default=0,
+    s.add_argument("--num-processes", type=cli_types.positive_int, default=1, help="processes in all, with --coordinator (default: 1)")
+    s.add_argument("--process-id", type=cli_types.non_negative_int, default=0,
                    help="this process: 0 serves HTTP, the others follow its steps (default: 0)")
     s.add_argument("--trace-requests", action="store_true",
                    help="log each request's timing breakdown (queue wait, prefill, decode, detok) at DEBUG "
                         "(default: off)")
-    sampling = s.add_argument_group(
-        "sampling defaults", "what a request that leaves the field out gets, on every route (llama-server's flags; "
-                             "default: each API's own, the contract's temperature 0.7, top_p 0.95, top_k 40 on chat)")
-    sampling.add_argument("--temp", "--temperature", dest="temp", type=_non_negative_float, default=None,
-                          help="temperature (default: none)")
-    sampling.add_argument("--top-k", type=_non_negative_int, default=None, help="top-k, 0: all (default: none)")
-    sampling.add_argument("--top-p", type=_unit_float, default=None, help="top-p (default: none)")
-    sampling.add_argument("--min-p", type=_fraction, default=None, help="min-p, 0: off (default: none)")
-    sampling.add_argument("--repeat-penalty", type=_positive_float, default=None,
-                          help="repetition penalty, 1: off (default: none)")
-    sampling.add_argument("--presence-penalty", type=_finite_float, default=None,
-                          help="presence penalty (default: none)")
-    sampling.add_argument("--frequency-penalty", type=_finite_float, default=None,
-                          help="frequency penalty (default: none)")
-    sampling.add_argument("--seed", type=int, default=None,
-                          help="sampling seed of every request that gives none; -1: a fresh one each (default: none)")
-    sampling.add_argument("-n", "--n-predict", type=_n_predict, default=None,
-                          help="tokens generated at most where a request says not; -1: to the window (default: none)")
-    llama = s.add_argument_group(
-        "llama-server's flags", "read as llama-server b11434 reads them, so its command lines serve here too")
-    llama.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
-                       help="context tokens over all --parallel slots, as llama-server divides -c: each session "
-                            "gets CTX_SIZE / parallel (instead of --ctx-cap; default: none)")
-    llama.add_argument("-np", "--parallel", type=_positive_int, default=None,
-                       help="slots: --max-sessions and --max-concurrent both (default: none)")
-    for flag, what in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
-        llama.add_argument(flag, what, choices=KV_DTYPE_CHOICES[1:], default=None,
-                           help=f"the {what[-1].upper()} cache's type: --kv-dtype (K and V are held in one type "
-                                "here: give both the same; default: none)")
-    for flags, why in LLAMA_SERVER_IGNORED:
-        valued = flags[0] in LLAMA_SERVER_VALUED
-        llama.add_argument(*flags, dest=_ignored(flags), help=f"accepted and ignored: {why}"
-                           + (" (default: none)" if valued else ""), **({"metavar": "X"} if valued else
-                                                                       {"action": "store_true"}))
+    cli_llama.add_sampling_defaults(s)
+    cli_llama.add_llama_server_flags(s)
     s.set_defaults(func=cmd_serve)
 
     r = add("router", help="run the router that serve instances register with (pantheon.router)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    r.add_argument("--port", type=_port, default=8090, help="port to listen on (default: %(default)s)")
-    r.add_argument("--instance-ttl", type=_positive_float, default=10.0,
+    r.add_argument("--port", type=cli_types.port, default=8090, help="port to listen on (default: %(default)s)")
+    r.add_argument("--instance-ttl", type=cli_types.positive_float, default=10.0,
                    help="seconds without a heartbeat after which an instance is no longer live (default: %(default)s)")
     r.set_defaults(func=cmd_router)
     return p
-
-
-# llama-server flags `serve` accepts without effect, and why (flags taking a value are listed in
-# LLAMA_SERVER_VALUED); a notice on stderr names the ones given.
-LLAMA_SERVER_IGNORED = (
-    (("-t", "--threads"), "the kernels use every core the process may run on"),
-    (("-tb", "--threads-batch"), "as --threads"),
-    (("-ngl", "--gpu-layers", "--n-gpu-layers"), "a model is placed on its dies whole (--dies)"),
-    (("-fa", "--flash-attn"), "attention is always the blocked (flash) kernel"),
-    (("-b", "--batch-size"), "prefill chunks are sized by the scheduler (up to 512 tokens)"),
-    (("-ub", "--ubatch-size"), "as --batch-size"),
-    (("-cb", "--cont-batching"), "batching is always continuous"),
-    (("--jinja",), "chat templates are always Jinja (--chat-template NAME for llama.cpp's builtins)"),
-    (("--metrics",), "/metrics is always served"),
-    (("--slots",), "/slots is always served"),
-    (("--no-webui",), "there is no web UI; /admin/ui is the operator's dashboard"),
-    (("--mlock",), "weights are held as the loader places them"),
-    (("--no-mmap",), "as --mlock"),
-)
-LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub")
-
-
-def _ignored(flags) -> str:
-    return "ignored_" + flags[-1].lstrip("-").replace("-", "_")
-
-
-def _llama_server_flags(sp, args) -> None:
-    """llama-server's `serve` flags as Pantheon's: -c over -np slots, -np, -ctk/-ctv; a notice for
-    the ones without effect."""
-    if args.ctx_size is not None and args.ctx_cap is not None:
-        sp.error("give --ctx-size (llama-server's, over all slots) or --ctx-cap (per session), not both")
-    if args.parallel is not None:
-        for flag, value in (("--max-sessions", args.max_sessions), ("--max-concurrent", args.max_concurrent)):
-            if value is not None and value != args.parallel:
-                sp.error(f"--parallel {args.parallel} sets {flag} too: give one of them")
-        args.max_sessions = args.max_concurrent = args.parallel
-    if args.ctx_size is not None:
-        slots = args.max_sessions or 4
-        if args.ctx_size < slots:
-            sp.error(f"--ctx-size {args.ctx_size} leaves no context for each of {slots} slots")
-        args.ctx_cap = args.ctx_size // slots
-    types = {t for t in (args.cache_type_k, args.cache_type_v, args.kv_dtype) if t not in (None, "auto")}
-    if len(types) > 1:
-        sp.error(f"the K and V caches are held in one type here: --cache-type-k, --cache-type-v and --kv-dtype "
-                 f"name {', '.join(sorted(types))}")
-    if types:
-        args.kv_dtype = types.pop()
-    given = [flags[0] for flags, _ in LLAMA_SERVER_IGNORED if getattr(args, _ignored(flags)) not in (None, False)]
-    if given:
-        print(f"pantheon serve: ignoring llama-server's {' '.join(given)} (see pantheon serve --help)", file=sys.stderr)
 
 
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """What argparse's types cannot check alone, before anything loads (one line, exit code 2)."""
     sp = parser._subparsers._group_actions[0].choices.get(args.command)  # its prog names the subcommand
     if args.command == "serve":
-        _llama_server_flags(sp, args)
+        cli_llama.apply_llama_server_flags(sp, args)
     if args.command == "bench" and (args.against or args.url) and not args.concurrency:
         sp.error("--against and --url measure over HTTP: give --concurrency too, e.g. 1,4,8")
     if args.command == "serve" and (args.coordinator or args.num_processes > 1 or args.process_id):

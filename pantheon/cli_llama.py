@@ -1,0 +1,102 @@
+"""llama-server's `serve` flags, read as llama-server b11434 reads them, so its command lines serve
+here too: the sampling defaults (--temp, --top-k, ..., -n), -c over -np slots, -np, -ctk/-ctv, and
+the flags accepted without effect (named on stderr)."""
+
+from __future__ import annotations
+
+import sys
+
+from pantheon import cli_types
+from pantheon.config import KV_DTYPE_CHOICES
+
+
+# llama-server flags `serve` accepts without effect, and why (flags taking a value are listed in
+# LLAMA_SERVER_VALUED); a notice on stderr names the ones given.
+LLAMA_SERVER_IGNORED = (
+    (("-t", "--threads"), "the kernels use every core the process may run on"),
+    (("-tb", "--threads-batch"), "as --threads"),
+    (("-ngl", "--gpu-layers", "--n-gpu-layers"), "a model is placed on its dies whole (--dies)"),
+    (("-fa", "--flash-attn"), "attention is always the blocked (flash) kernel"),
+    (("-b", "--batch-size"), "prefill chunks are sized by the scheduler (up to 512 tokens)"),
+    (("-ub", "--ubatch-size"), "as --batch-size"),
+    (("-cb", "--cont-batching"), "batching is always continuous"),
+    (("--jinja",), "chat templates are always Jinja (--chat-template NAME for llama.cpp's builtins)"),
+    (("--metrics",), "/metrics is always served"),
+    (("--slots",), "/slots is always served"),
+    (("--no-webui",), "there is no web UI; /admin/ui is the operator's dashboard"),
+    (("--mlock",), "weights are held as the loader places them"),
+    (("--no-mmap",), "as --mlock"),
+)
+LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub")
+
+
+def _ignored(flags) -> str:
+    return "ignored_" + flags[-1].lstrip("-").replace("-", "_")
+
+
+def add_sampling_defaults(s) -> None:
+    """serve's sampling defaults: what a request that leaves the field out gets (config.SamplingDefaults)."""
+    sampling = s.add_argument_group(
+        "sampling defaults", "what a request that leaves the field out gets, on every route (llama-server's flags; "
+                             "default: each API's own, the contract's temperature 0.7, top_p 0.95, top_k 40 on chat)")
+    sampling.add_argument("--temp", "--temperature", dest="temp", type=cli_types.non_negative_float, default=None,
+                          help="temperature (default: none)")
+    sampling.add_argument("--top-k", type=cli_types.non_negative_int, default=None, help="top-k, 0: all (default: none)")
+    sampling.add_argument("--top-p", type=cli_types.unit_float, default=None, help="top-p (default: none)")
+    sampling.add_argument("--min-p", type=cli_types.fraction, default=None, help="min-p, 0: off (default: none)")
+    sampling.add_argument("--repeat-penalty", type=cli_types.positive_float, default=None,
+                          help="repetition penalty, 1: off (default: none)")
+    sampling.add_argument("--presence-penalty", type=cli_types.finite_float, default=None,
+                          help="presence penalty (default: none)")
+    sampling.add_argument("--frequency-penalty", type=cli_types.finite_float, default=None,
+                          help="frequency penalty (default: none)")
+    sampling.add_argument("--seed", type=int, default=None,
+                          help="sampling seed of every request that gives none; -1: a fresh one each (default: none)")
+    sampling.add_argument("-n", "--n-predict", type=cli_types.n_predict, default=None,
+                          help="tokens generated at most where a request says not; -1: to the window (default: none)")
+
+
+def add_llama_server_flags(s) -> None:
+    """-c, -np, -ctk/-ctv, and the flags accepted without effect (LLAMA_SERVER_IGNORED)."""
+    llama = s.add_argument_group(
+        "llama-server's flags", "read as llama-server b11434 reads them, so its command lines serve here too")
+    llama.add_argument("-c", "--ctx-size", type=cli_types.positive_int, default=None,
+                       help="context tokens over all --parallel slots, as llama-server divides -c: each session "
+                            "gets CTX_SIZE / parallel (instead of --ctx-cap; default: none)")
+    llama.add_argument("-np", "--parallel", type=cli_types.positive_int, default=None,
+                       help="slots: --max-sessions and --max-concurrent both (default: none)")
+    for flag, what in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
+        llama.add_argument(flag, what, choices=KV_DTYPE_CHOICES[1:], default=None,
+                           help=f"the {what[-1].upper()} cache's type: --kv-dtype (K and V are held in one type "
+                                "here: give both the same; default: none)")
+    for flags, why in LLAMA_SERVER_IGNORED:
+        valued = flags[0] in LLAMA_SERVER_VALUED
+        llama.add_argument(*flags, dest=_ignored(flags), help=f"accepted and ignored: {why}"
+                           + (" (default: none)" if valued else ""), **({"metavar": "X"} if valued else
+                                                                       {"action": "store_true"}))
+
+
+def apply_llama_server_flags(sp, args) -> None:
+    """llama-server's `serve` flags as Pantheon's: -c over -np slots, -np, -ctk/-ctv; a notice for
+    the ones without effect."""
+    if args.ctx_size is not None and args.ctx_cap is not None:
+        sp.error("give --ctx-size (llama-server's, over all slots) or --ctx-cap (per session), not both")
+    if args.parallel is not None:
+        for flag, value in (("--max-sessions", args.max_sessions), ("--max-concurrent", args.max_concurrent)):
+            if value is not None and value != args.parallel:
+                sp.error(f"--parallel {args.parallel} sets {flag} too: give one of them")
+        args.max_sessions = args.max_concurrent = args.parallel
+    if args.ctx_size is not None:
+        slots = args.max_sessions or 4
+        if args.ctx_size < slots:
+            sp.error(f"--ctx-size {args.ctx_size} leaves no context for each of {slots} slots")
+        args.ctx_cap = args.ctx_size // slots
+    types = {t for t in (args.cache_type_k, args.cache_type_v, args.kv_dtype) if t not in (None, "auto")}
+    if len(types) > 1:
+        sp.error(f"the K and V caches are held in one type here: --cache-type-k, --cache-type-v and --kv-dtype "
+                 f"name {', '.join(sorted(types))}")
+    if types:
+        args.kv_dtype = types.pop()
+    given = [flags[0] for flags, _ in LLAMA_SERVER_IGNORED if getattr(args, _ignored(flags)) not in (None, False)]
+    if given:
+        print(f"pantheon serve: ignoring llama-server's {' '.join(given)} (see pantheon serve --help)", file=sys.stderr)
