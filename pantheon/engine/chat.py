@@ -376,7 +376,6 @@ def _last_turn_start(engine, chat, prompt: _Prompt) -> int | None:
     tok = engine.tokenizer
     ends = np.cumsum([len(tok.token_bytes(t)) for t in ids])
     lead = int(ends[-1]) - len(prompt.text.encode("utf-8"))  # a space the tokenizer put before the text
-    k = int(np.searchsorted(ends, len(head.encode("utf-8")) + lead)) + 1
-    if not least <= k < len(ids) or ends[k - 1] != len(head.encode("utf-8")) + lead or tok.decode(ids[:k]) != head:
-        return None
-    return k
+    end = len(head.encode("utf-8")) + lead
+    k = int(np.searchsorted(ends, end)) + 1
+    return k if least <= k < len(ids) and ends[k - 1] == end and tok.decode(ids[:k]) == head else None

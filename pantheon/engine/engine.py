@@ -104,6 +104,12 @@ def _finite(a: np.ndarray) -> bool:
     return a.dtype.kind in "ib" or bool(np.isfinite(a.astype(np.float32, copy=False)).all())
 
 
+def _owned(arrays: dict) -> dict:
+    """Exported slot arrays that stay as they are: a host-resident layer (the KV allocation fallback)
+    exports a view of the live cache, copied; a device array's export is already its own."""
+    return {k: a.copy() if a.flags.writeable else a for k, a in arrays.items()}
+
+
 def exact_kernels_note(backend: str, numerics: str, quantized: bool) -> str:
     """A line for the log where `exact` numerics take the f32 kernels: a CPU without AVX-512 VNNI
     (the AVX2 kinds) multiplies a quantized model's weights in f32 there, slower than llama.cpp's
@@ -381,12 +387,10 @@ class Engine:
         (attention alone rewinds to any prefix) or the slot spans processes."""
         if n_tok < sessions.MARK_MIN_TOKENS or not self.marks:
             return {}
-        return {k: a.copy() if a.flags.writeable else a for k, a in self.runner.export_rows(slot).items()}
+        return _owned(self.runner.export_rows(slot))
 
     def _spill_slot(self, slot: int, n_tok: int) -> dict:
-        arrays = self.runner.export_slot(slot, self._tier_len(n_tok))
-        # A host-resident layer (the KV allocation fallback) exports a view of the live cache: copy it.
-        return {k: a.copy() if a.flags.writeable else a for k, a in arrays.items()}
+        return _owned(self.runner.export_slot(slot, self._tier_len(n_tok)))
 
     def _fill_slot(self, slot: int, arrays: dict) -> None:
         out = {}
