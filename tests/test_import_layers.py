@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "pantheon"
 # lowest first: a package may import only those before it
 LAYERS = ("config", "faults", "gguf", "default_model", "text", "native", "pallas", "model", "engine", "web",
-          "router", "cli", "__main__")
+          "router", "cli_types", "cli_llama", "cli", "__main__")
 
 
 def package_of(module: str) -> str | None:
