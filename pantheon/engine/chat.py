@@ -163,15 +163,27 @@ def mixed_prompt_ids(tok, prompt, add_bos: bool | None = None) -> list[int]:
     return ids
 
 
-def prefill_of(messages: list[dict]) -> str:
+def prefill_of(messages: list[dict], explicit: bool = False) -> str | None:
     """The text an assistant turn ending the conversation has begun, which the answer continues
-    (Anthropic's prefill, llama-server's too), or "": a final assistant message with text and
-    no tool calls."""
+    (Anthropic's prefill, llama-server's too; `continue_final_message` says so even of an empty
+    one), or None: a final assistant message with text (or, `explicit`, any) and no tool calls."""
     last = messages[-1] if messages else {}
     content = last.get("content")
-    if last.get("role") == "assistant" and isinstance(content, str) and content and not last.get("tool_calls"):
+    if last.get("role") == "assistant" and isinstance(content, str) and (content or explicit) \
+            and not last.get("tool_calls"):
         return content
-    return ""
+    return None
+
+
+def through_final_message(text: str, messages: list[dict]) -> str:
+    """`text`, a conversation rendered without the assistant's opening, cut where its final
+    message's text ends, so the answer continues that message (transformers' and vLLM's
+    `continue_final_message` of a turn that is not the assistant's)."""
+    final = messages[-1].get("content") if messages else None
+    end = text.rfind(final) if isinstance(final, str) and final else -1
+    if end < 0:
+        raise PlanError("continue_final_message: the chat template does not show the final message's text")
+    return text[:end + len(final)]
 
 
 def developer_as_system(engine, messages: list[dict]) -> list[dict]:
@@ -192,8 +204,15 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
 
     tools_on = bool(chat.tools) and chat.tool_choice != "none"
     messages, dialect, specs = developer_as_system(engine, chat.messages), None, None
-    prefill = prefill_of(messages) if add_generation_prompt else ""
-    if prefill:  # the conversation up to the assistant's opening, then the text it has begun
+    # A final assistant turn is continued (llama-server's prefill; continue_final_message), else the
+    # assistant's opening follows; the request's add_generation_prompt false (vLLM's) renders the
+    # conversation as it is, and so does the caller's (a conversation's head).
+    explicit = chat.continue_final_message
+    ask = add_generation_prompt and (chat.add_generation_prompt or explicit)
+    prefill = prefill_of(messages, explicit) if ask else None
+    opening = ask and (prefill is not None or chat.add_generation_prompt)
+    cut = ask and explicit and prefill is None
+    if prefill is not None:  # the conversation up to the assistant's opening, then the text it has begun
         messages = messages[:-1]
     try:
         if tools_on:
@@ -210,7 +229,7 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
     if engine.think:
         kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
     def render(turns):
-        return engine.render_chat(turns, add_generation_prompt=add_generation_prompt, **kwargs) + prefill
+        return engine.render_chat(turns, add_generation_prompt=opening, **kwargs) + (prefill or "")
 
     try:
         text = render(messages)
@@ -227,6 +246,8 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
                     pass
         if text is None:
             raise PlanError(f"chat template rejected the messages: {e}") from None
+    if cut:
+        text = through_final_message(text, messages)
     return text, kwargs, dialect, specs, tools_on
 
 

@@ -56,6 +56,10 @@ class ChatRequest:
     suffix: str | None = None
     add_special: bool = True
     prompt_logprobs: int | None = None  # score the prompt too (echo with logprobs): alternatives per token
+    # vLLM's and llama-server's: the assistant's opening after the messages (a final assistant turn
+    # is continued whatever this says), or the final message continued where it ends.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def _number(body: dict, key: str, default, kind=float):
@@ -324,8 +328,32 @@ def parse_chat_request(body: Any, session_header: str | None = None) -> ChatRequ
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("'tools' must be an array of tool definitions")
-    return ChatRequest(messages=_messages(body.get("messages")), tools=tools,
-                       tool_choice=body.get("tool_choice", "auto"), **sampling_fields(body, session_header))
+    messages = _messages(body.get("messages"))
+    return ChatRequest(messages=messages, tools=tools, tool_choice=body.get("tool_choice", "auto"),
+                       **_continuation(body, messages), **sampling_fields(body, session_header))
+
+
+def _continuation(body: dict, messages: list[dict]) -> dict:
+    """add_generation_prompt and continue_final_message, checked as llama-server checks them (vLLM
+    refuses the same pair): both true is a 400, and so is continuing a turn of tool calls."""
+    opening = body.get("add_generation_prompt")
+    if opening is None:
+        opening = True
+    elif not isinstance(opening, bool):
+        raise invalid("'add_generation_prompt' must be a boolean")
+    go_on = body.get("continue_final_message")
+    if go_on == "reasoning_content":
+        raise invalid("'continue_final_message': continuing the final message's reasoning_content is not "
+                      "supported here; true (or \"content\") continues its content")
+    if go_on is not None and not isinstance(go_on, bool) and go_on != "content":
+        raise invalid("'continue_final_message' must be a boolean (or \"content\")")
+    go_on = go_on is True or go_on == "content"
+    if go_on and opening:
+        raise invalid("Cannot set both add_generation_prompt and continue_final_message to true "
+                      "(add_generation_prompt defaults to true: give it as false)")
+    if go_on and messages[-1].get("tool_calls"):
+        raise invalid("Cannot continue an assistant message that contains tool calls")
+    return {"add_generation_prompt": opening, "continue_final_message": go_on}
 
 
 def operator_defaults() -> SamplingDefaults:

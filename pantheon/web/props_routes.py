@@ -75,19 +75,17 @@ async def slots():
 @bp.route("/apply-template", methods=["POST"])
 async def apply_template():
     """{"messages", and optionally "tools", "tool_choice", "enable_thinking", "add_generation_prompt"
-    (true)} -> {"prompt": the text a chat completion would run, the assistant's opening included}."""
+    (true), "continue_final_message"} -> {"prompt": the text a chat completion would run, the
+    assistant's opening included}."""
     body = await json_body()
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     if not isinstance(body.get("messages"), list):
         raise invalid("'messages' must be an array")
-    opening = body.get("add_generation_prompt", True)
-    if not isinstance(opening, bool):
-        raise invalid("'add_generation_prompt' must be a boolean")
     chat = parse_chat_request(body)
     engine = _engine(chat.model)
     try:
-        text = (await asyncio.to_thread(render_prompt, engine, chat, opening))[0]
+        text = (await asyncio.to_thread(render_prompt, engine, chat))[0]
     except PlanError as e:
         raise invalid(str(e)) from None
     except RecursionError:

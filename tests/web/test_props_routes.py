@@ -127,6 +127,48 @@ def test_a_final_assistant_message_is_continued(app):
     assert closed == engine.render_chat(PREFILL, add_generation_prompt=False)
 
 
+def test_continue_final_message_as_vllm_and_llama_server_read_it(app):
+    """continue_final_message (with add_generation_prompt false, both vLLM's): the final assistant
+    turn continued, empty or not; a final turn of another role continued where its text ends; and
+    add_generation_prompt false alone renders the conversation as it is, on the chat route too."""
+    engine = app.engine()
+    go_on = {"add_generation_prompt": False, "continue_final_message": True}
+    assert app.post("/apply-template", {"messages": PREFILL, **go_on})[1]["prompt"] == \
+        engine.render_chat(PREFILL[:1]) + "Well, the"
+    assert app.post("/apply-template", {"messages": PREFILL, **go_on, "continue_final_message": "content"})[1] == \
+        {"prompt": engine.render_chat(PREFILL[:1]) + "Well, the"}
+    empty = PREFILL[:1] + [{"role": "assistant", "content": ""}]
+    assert app.post("/apply-template", {"messages": empty, **go_on})[1]["prompt"] == engine.render_chat(PREFILL[:1])
+    text = app.post("/apply-template", {"messages": HELLO, **go_on})[1]["prompt"]
+    assert text.endswith("hello") and engine.render_chat(HELLO, add_generation_prompt=False).startswith(text)
+    status, reply, _ = app.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": HELLO,
+                                                         "add_generation_prompt": False})
+    assert status == 200
+    assert reply["usage"]["prompt_tokens"] == len(engine.encode_prompt(engine.render_chat(HELLO, False)))
+    status, reply, _ = app.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": HELLO, **go_on})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(engine.encode_prompt(text))
+
+
+CALL = {"role": "assistant", "content": "x", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"continue_final_message": True}, "Cannot set both add_generation_prompt and continue_final_message"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "Cannot set both"),
+    ({"continue_final_message": "reasoning_content", "add_generation_prompt": False}, "not supported"),
+    ({"continue_final_message": 5, "add_generation_prompt": False}, "'continue_final_message' must be a boolean"),
+    ({"continue_final_message": True, "add_generation_prompt": False, "messages": HELLO + [CALL]},
+     "Cannot continue an assistant message that contains tool calls"),
+    ({"continue_final_message": True, "add_generation_prompt": False, "messages": [{"role": "user", "content": ""}]},
+     "the chat template does not show the final message's text"),
+])
+@pytest.mark.parametrize("route", ["/apply-template", "/v1/chat/completions"])
+def test_continue_final_message_refusals(app, route, extra, says):
+    status, out, _ = app.post(route, {"messages": PREFILL, "max_tokens": 1, **extra})
+    assert status == 400 and out["error"]["type"] == "invalid_request_error" and says in out["error"]["message"]
+
+
 @pytest.mark.parametrize("body, says", [
     ({"messages": 5}, "'messages' must be an array"),
     ({}, "'messages' must be an array"),
