@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from pantheon import cli_types
+from pantheon import cli_types, config
 from pantheon.config import KV_DTYPE_CHOICES
 
 
@@ -22,12 +22,27 @@ LLAMA_SERVER_IGNORED = (
     (("-cb", "--cont-batching"), "batching is always continuous"),
     (("--jinja",), "chat templates are always Jinja (--chat-template NAME for llama.cpp's builtins)"),
     (("--metrics",), "/metrics is always served"),
-    (("--slots",), "/slots is always served"),
-    (("--no-webui",), "there is no web UI; /admin/ui is the operator's dashboard"),
+    (("--slots",), "/slots is served unless --no-slots"),
+    (("--no-webui", "--no-ui"), "there is no web UI; /admin/ui is the operator's dashboard"),
     (("--mlock",), "weights are held as the loader places them"),
     (("--no-mmap",), "as --mlock"),
+    (("--offline",), "nothing is downloaded here: models are files (-m)"),
+    (("--embedding", "--embeddings"), "a model serves embeddings and generation both"),
+    (("--context-shift",), "a turn that reaches the context window ends there (finish_reason length)"),
+    (("--no-context-shift",), "as --context-shift: no context shift is the only way here"),
+    (("-kvu", "--kv-unified"), "each slot holds its own KV rows"),
+    (("--swa-full",), "sliding-window layers keep rings of the window (and 512 positions to rewind)"),
+    (("--cache-reuse",), "a prompt reuses its session's KV by prefix (and the slot's marks), not by KV shifting"),
+    (("-ctxcp", "--ctx-checkpoints"), "a slot keeps up to 3 marks (its context checkpoints)"),
+    (("--reasoning-format",), "thoughts always go to reasoning_content (llama-server's deepseek format)"),
+    (("--pooling",), "embeddings are pooled as the model file says"),
+    (("-to", "--timeout"), "the HTTP server keeps hypercorn's timeouts"),
+    (("--threads-http",), "requests are served by one asyncio loop"),
 )
-LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub")
+LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub", "--cache-reuse", "-ctxcp", "--reasoning-format",
+                       "--pooling", "-to", "--threads-http")
+# llama-server's downloads: refused with one line (there is no model hub here)
+LLAMA_SERVER_DOWNLOADS = (("-hf", "--hf-repo"), ("-hff", "--hf-file"), ("-mu", "--model-url"))
 
 
 def _ignored(flags) -> str:
@@ -54,6 +69,12 @@ def add_sampling_defaults(s) -> None:
                           help="sampling seed of every request that gives none; -1: a fresh one each (default: none)")
     sampling.add_argument("-n", "--n-predict", type=cli_types.n_predict, default=None,
                           help="tokens generated at most where a request says not; -1: to the window (default: none)")
+    sampling.add_argument("--chat-template-kwargs", type=cli_types.json_object, default=None, metavar="JSON",
+                          help="the chat template's arguments, under a request's chat_template_kwargs, e.g. "
+                               "'{\"enable_thinking\": false}' (default: none)")
+    sampling.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default=None,
+                          help="thinking where a request does not say: on, off, or auto, the template's own "
+                               "(default: auto, else $PANTHEON_NO_THINK)")
 
 
 def add_llama_server_flags(s) -> None:
@@ -69,6 +90,18 @@ def add_llama_server_flags(s) -> None:
         llama.add_argument(flag, what, choices=KV_DTYPE_CHOICES[1:], default=None,
                            help=f"the {what[-1].upper()} cache's type: --kv-dtype (K and V are held in one type "
                                 "here: give both the same; default: none)")
+    llama.add_argument("-cram", "--cache-ram", type=cli_types.cache_mib, default=None, metavar="MIB",
+                       help="host memory for idle sessions' KV (the session host tier), MiB: -1 no limit (all "
+                            "physical memory), 0 off (default: $PN_SESSION_HOST_BYTES, else a quarter of memory)")
+    llama.add_argument("--no-warmup", action="store_true",
+                       help="compile each program on first use instead of at load (default: compiled at load)")
+    llama.add_argument("--no-slots", dest="slots_endpoint", action="store_false",
+                       help="GET /slots answers 501, as llama-server's (default: served)")
+    llama.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
+                       help="log at DEBUG, each request's timing breakdown included (default: INFO)")
+    for flags in LLAMA_SERVER_DOWNLOADS:
+        llama.add_argument(*flags, dest="download_" + flags[-1].lstrip("-").replace("-", "_"), metavar="X",
+                           help="refused: there is no model hub here; give the GGUF file with -m (default: none)")
     for flags, why in LLAMA_SERVER_IGNORED:
         valued = flags[0] in LLAMA_SERVER_VALUED
         llama.add_argument(*flags, dest=_ignored(flags), help=f"accepted and ignored: {why}"
@@ -77,8 +110,17 @@ def add_llama_server_flags(s) -> None:
 
 
 def apply_llama_server_flags(sp, args) -> None:
-    """llama-server's `serve` flags as Pantheon's: -c over -np slots, -np, -ctk/-ctv; a notice for
-    the ones without effect."""
+    """llama-server's `serve` flags as Pantheon's: -c over -np slots, -np, -ctk/-ctv, --cache-ram,
+    --no-warmup; a download refused; a notice for the ones without effect."""
+    for flags in LLAMA_SERVER_DOWNLOADS:
+        if getattr(args, "download_" + flags[-1].lstrip("-").replace("-", "_")) is not None:
+            sp.error(f"{flags[-1]}: there is no model hub here: download the GGUF file yourself and give it with -m")
+    if args.cache_ram is not None:
+        config.set_session_host_bytes(config.physical_memory() if args.cache_ram < 0 else args.cache_ram << 20)
+    if args.no_warmup:
+        config.disable_warm_up()
+    if args.verbose:
+        args.trace_requests = True  # and serve logs pantheon's loggers at DEBUG
     if args.ctx_size is not None and args.ctx_cap is not None:
         sp.error("give --ctx-size (llama-server's, over all slots) or --ctx-cap (per session), not both")
     if args.parallel is not None:

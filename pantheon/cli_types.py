@@ -4,6 +4,7 @@ a line that says what it takes (cli.py turns it into one line on stderr and exit
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -111,3 +112,22 @@ def dies(text: str) -> str:
     if not dies or min(dies) < 0:
         raise argparse.ArgumentTypeError(f"takes comma-separated device ordinals, e.g. 0,1; got {text!r}")
     return text
+
+
+def json_object(text: str) -> dict:
+    """A JSON object's text, e.g. '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', got {text!r:.60}")
+    return value
+
+
+def cache_mib(text: str) -> int:
+    """MiB, llama-server's --cache-ram: -1 no limit, 0 off."""
+    value = int(text) if text.lstrip("-").isdigit() else None
+    if value is None or value < -1:
+        raise argparse.ArgumentTypeError(f"must be MiB, -1 (no limit) or 0 (off), got {text!r}")
+    return value

@@ -57,9 +57,12 @@ class SamplingDefaults:
     frequency_penalty: float | None = None
     seed: int | None = None
     max_tokens: int | None = None  # -1: to the window
+    # the chat template's arguments (--chat-template-kwargs, --reasoning), under a request's own
+    template_kwargs: dict | None = None
 
     def given(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        """The sampling fields set (template_kwargs merge instead)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None and k != "template_kwargs"}
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class ServeConfig:
     access_log: str = "text"  # "text", "json" or "off" (web/observe.py)
     router: str | None = None  # a router's URL to register with (web/registration.py)
     advertise: str | None = None  # this instance's URL as the router should reach it (default http://host:port)
+    slots_endpoint: bool = True  # GET /slots served (llama-server's --no-slots: 501)
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -189,10 +193,12 @@ def session_host_bytes() -> int:
     """The process-wide budget for sessions moved to host memory (PN_SESSION_HOST_BYTES; 0 disables
     the tier). Default: a quarter of physical memory."""
     value = _env_int(ENV_SESSION_HOST_BYTES)
-    if value is not None:
-        return max(value, 0)
+    return max(value, 0) if value is not None else physical_memory() // 4
+
+
+def physical_memory() -> int:
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
 
@@ -322,6 +328,16 @@ def environment_with_tcmalloc(library: str) -> dict[str, str] | None:
 def thread_caches_configured() -> bool:
     """Whether the operator sized tcmalloc's thread caches (its own variable): left as they say."""
     return bool(os.environ.get("TCMALLOC_MAX_TOTAL_THREAD_CACHE_BYTES"))
+
+
+def set_session_host_bytes(n: int) -> None:
+    """The host tier's budget from here on (serve --cache-ram), in this process and what it starts."""
+    os.environ[ENV_SESSION_HOST_BYTES] = str(max(int(n), 0))
+
+
+def disable_warm_up() -> None:
+    """Settings.from_env's warm_up false from here on (serve --no-warmup): programs compile on first use."""
+    os.environ[ENV_WARMUP] = "0"
 
 
 def disable_session_host_tier() -> None:

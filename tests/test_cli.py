@@ -206,7 +206,49 @@ def test_llama_servers_command_line_serves_here(capsys):
     assert config_from_args(parser.parse_args(["serve", "--reasoning-budget", "-1"])).reasoning_budget == 0  # unbounded
 
 
+def test_llama_servers_other_serve_flags(capsys, monkeypatch):
+    """--chat-template-kwargs and --reasoning become every request's template arguments; --cache-ram
+    sizes the session host tier (MiB; 0 off, -1 all memory); --no-warmup, --no-slots, -v; the rest of
+    llama-server's common flags are accepted and named."""
+    from pantheon import config as config_module
+    from pantheon.web.serve import config_from_args
+
+    for name in ("PN_SESSION_HOST_BYTES", "PANTHEON_WARMUP"):
+        monkeypatch.delenv(name, raising=False)
+    parser = cli.build_parser()
+
+    def read(*argv):
+        args = parser.parse_args(["serve", *argv])
+        cli._check_args(parser, args)
+        return args, config_from_args(args)
+
+    _, config = read("--chat-template-kwargs", '{"enable_thinking": true, "reasoning_effort": "low"}', "-rea", "off")
+    assert config.sampling.template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
+    assert config.sampling.given() == {}  # merged under a request's kwargs, not filled in as a field
+    assert read("--reasoning", "auto")[1].sampling.template_kwargs is None
+    read("--cache-ram", "512")
+    assert config_module.session_host_bytes() == 512 << 20
+    read("-cram", "0")
+    assert config_module.session_host_bytes() == 0
+    read("--cache-ram", "-1")
+    assert config_module.session_host_bytes() == config_module.physical_memory()
+    assert config_module.Settings.from_env().warm_up
+    args, config = read("--no-warmup", "--no-slots", "-v")
+    assert not config_module.Settings.from_env().warm_up and not config.slots_endpoint and args.trace_requests
+    assert read()[1].slots_endpoint
+    capsys.readouterr()
+    read("--offline", "--embeddings", "--no-context-shift", "-kvu", "--cache-reuse", "256", "-ctxcp", "8",
+         "--reasoning-format", "deepseek", "--no-ui")
+    assert capsys.readouterr().err.strip() == "pantheon serve: ignoring llama-server's --no-webui --offline " \
+        "--embedding --no-context-shift -kvu --cache-reuse -ctxcp --reasoning-format (see pantheon serve --help)"
+
+
 @pytest.mark.parametrize("argv, expected", [
+    (["serve", "-hf", "ggml-org/models"], "--hf-repo: there is no model hub here"),
+    (["serve", "--model-url", "https://x/y.gguf"], "--model-url: there is no model hub here"),
+    (["serve", "--chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["serve", "--cache-ram", "-2"], "must be MiB, -1 (no limit) or 0 (off)"),
+    (["serve", "--reasoning", "maybe"], "invalid choice: 'maybe'"),
     (["serve", "-c", "8192", "--ctx-cap", "2048"], "give --ctx-size"),
     (["serve", "-np", "2", "--max-sessions", "4"], "--parallel 2 sets --max-sessions too"),
     (["serve", "-ctk", "f16", "-ctv", "q8_0"], "held in one type here"),

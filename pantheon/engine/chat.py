@@ -225,7 +225,7 @@ def render_prompt(engine, chat, add_generation_prompt: bool = True) -> tuple[str
     except ToolSpecError as e:
         raise PlanError(f"invalid tools: {e}") from None
 
-    kwargs = {}
+    kwargs = dict(chat.template_kwargs)
     if engine.think:
         kwargs["enable_thinking"] = chat.enable_thinking if chat.enable_thinking is not None else not no_think_default()
     def render(turns):

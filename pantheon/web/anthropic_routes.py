@@ -142,7 +142,8 @@ def parse_messages_request(body, counting: bool = False) -> ChatRequest:
     fields = sampling_fields({"model": body.get("model"), "max_tokens": max_tokens or 1,
                               "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                               "top_k": body.get("top_k"), "stop": stops, "stream": body.get("stream", False),
-                              "enable_thinking": enable, "reasoning_budget": budget},
+                              "enable_thinking": enable, "reasoning_budget": budget,
+                              "chat_template_kwargs": body.get("chat_template_kwargs")},
                              request.headers.get("X-Session-Id"))
     return ChatRequest(messages=messages, tools=_tools(body.get("tools")),
                        tool_choice=_tool_choice(body.get("tool_choice")), **fields)

@@ -44,6 +44,7 @@ class ChatRequest:
     response_format: dict | None = None
     grammar: str | None = None  # llama-server's GBNF constraint
     enable_thinking: bool | None = None
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs (vLLM's, llama-server's)
     reasoning_budget: int | None = None  # None -> the model's; <= 0 -> off
     tools: list | None = None
     tool_choice: Any = "auto"
@@ -287,6 +288,26 @@ def _with_defaults(body: dict, ops: SamplingDefaults) -> dict:
     return out
 
 
+# What the template context sets itself (text.chat_template.ChatTemplate._context): not a request's.
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(value, server: dict) -> dict:
+    """chat_template_kwargs: more arguments for the chat template (Qwen3's enable_thinking,
+    reasoning_effort, Command-R's documents, ...) over the serve's --chat-template-kwargs."""
+    if value is None:
+        return dict(server)
+    if not isinstance(value, dict):
+        raise invalid("'chat_template_kwargs' must be an object of the chat template's arguments")
+    for key in value:
+        if key in TEMPLATE_OWN:
+            raise invalid(f"'chat_template_kwargs.{key}' is set by the server: give it in its own field")
+    thinking = value.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise invalid("'chat_template_kwargs.enable_thinking' must be a boolean")
+    return {**server, **value}
+
+
 def _stop(value) -> list[str]:
     if value is None:
         return []
@@ -385,9 +406,13 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
     budget = body.get("reasoning_budget", body.get("max_reasoning_tokens"))
     if budget is not None:
         budget = min(_number({"reasoning_budget": budget}, "reasoning_budget", 0, int), INT32_MAX)
+    template_kwargs = _template_kwargs(body.get("chat_template_kwargs"), ops.template_kwargs or {})
     thinking = body.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise invalid("'enable_thinking' must be a boolean")
+    if thinking is None:  # the template's own switch, however it came (a request's kwargs, --reasoning)
+        thinking = template_kwargs.pop("enable_thinking", None)
+    template_kwargs.pop("enable_thinking", None)
     stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     seed = body.get("seed")
     if seed is not None:
@@ -426,6 +451,7 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
         response_format=rf if isinstance(rf, dict) else None,
         grammar=grammar or None,
         enable_thinking=thinking,
+        template_kwargs=template_kwargs,
         reasoning_budget=budget,
         session_id=_session_id(body, session_header),
         return_progress=body.get("return_progress") is True,

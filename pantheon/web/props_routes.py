@@ -48,7 +48,8 @@ async def props():
     return {"default_generation_settings": {"params": completion_defaults(engine), "n_ctx": engine.effective_ctx},
             "total_slots": engine.max_concurrent, "model_alias": engine.name, "model_path": str(engine.path),
             "model_ftype": _file_type(engine), "modalities": {"vision": False, "video": False, "audio": False},
-            "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
+            "endpoint_slots": current_app.pantheon.config.slots_endpoint, "endpoint_props": False,
+            "endpoint_metrics": True,
             "chat_template": engine.template.source if engine.template else "",
             "bos_token": _token(tok, tok.bos_id), "eos_token": _token(tok, tok.eos_id),
             "build_info": f"pantheon {current_app.pantheon.build}"}
@@ -64,6 +65,9 @@ async def set_props():
 async def slots():
     """One entry a decoding slot: its context window and whether a request holds it. With
     `?fail_on_no_slot=1`, 503 when none is free (llama-server's probe for a saturated server)."""
+    if not current_app.pantheon.config.slots_endpoint:  # llama-server's answer under --no-slots
+        raise ApiError(501, "not_supported_error", "This server does not support slots endpoint. "
+                                                   "Start it with `--slots`")
     engine = _engine()
     total, busy = engine.max_concurrent, min(engine.scheduler.load, engine.max_concurrent)
     if request.args.get("fail_on_no_slot") in ("1", "true") and busy >= total:

@@ -145,7 +145,8 @@ def parse_responses_request(body) -> tuple[ChatRequest, dict]:
         "enable_thinking": None if effort is None else effort not in ("none", "minimal"),
         "prompt_cache_key": body.get("prompt_cache_key"), "seed": body.get("seed"),
         "stop": body.get("stop"), "return_progress": body.get("return_progress"),
-        "timings_per_token": body.get("timings_per_token")}, request.headers.get("X-Session-Id"))
+        "timings_per_token": body.get("timings_per_token"),
+        "chat_template_kwargs": body.get("chat_template_kwargs")}, request.headers.get("X-Session-Id"))
     if fields["session_id"] is None and prior is not None:  # a continued chain resumes its own KV
         fields["session_id"] = prior.session_id or f"response:{previous}"
     keep = body.get("store", True)

@@ -99,7 +99,17 @@ def _sampling(args) -> SamplingDefaults:
                             repetition_penalty=getattr(args, "repeat_penalty", None),
                             presence_penalty=getattr(args, "presence_penalty", None),
                             frequency_penalty=getattr(args, "frequency_penalty", None),
-                            seed=None if seed == -1 else seed, max_tokens=getattr(args, "n_predict", None))
+                            seed=None if seed == -1 else seed, max_tokens=getattr(args, "n_predict", None),
+                            template_kwargs=_template_kwargs(args))
+
+
+def _template_kwargs(args) -> dict | None:
+    """--chat-template-kwargs, with --reasoning on/off as its enable_thinking (llama-server's reading)."""
+    kwargs = dict(getattr(args, "chat_template_kwargs", None) or {})
+    reasoning = getattr(args, "reasoning", None)
+    if reasoning in ("on", "off"):
+        kwargs["enable_thinking"] = reasoning == "on"
+    return kwargs or None
 
 
 def config_from_args(args) -> ServeConfig:
@@ -119,7 +129,8 @@ def config_from_args(args) -> ServeConfig:
                        models_dir=getattr(args, "models_dir", None) or env.models_dir,
                        access_log="off" if getattr(args, "quiet", False) else getattr(args, "log_format", None) or env.access_log,
                        router=getattr(args, "router", None) or env.router,
-                       advertise=getattr(args, "advertise", None) or env.advertise)
+                       advertise=getattr(args, "advertise", None) or env.advertise,
+                       slots_endpoint=getattr(args, "slots_endpoint", True))
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
@@ -178,6 +189,8 @@ def serve(args) -> int:
     from pantheon.web import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "verbose", False):  # llama-server's -v
+        logging.getLogger("pantheon").setLevel(logging.DEBUG)
     if getattr(args, "trace_requests", False):
         logging.getLogger("pantheon.trace").setLevel(logging.DEBUG)
     config = config_from_args(args)

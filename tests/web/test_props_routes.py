@@ -199,6 +199,57 @@ def test_apply_template_without_a_template_and_the_file_type_from_the_file(tmp_p
         server.close()
 
 
+def test_chat_template_kwargs_reach_the_template(tmp_path_factory):
+    """chat_template_kwargs (vLLM's and llama-server's) are the template's arguments, over the serve's
+    --chat-template-kwargs / --reasoning; enable_thinking among them is the request's thinking
+    switch; the template's own variables and a malformed object are refused."""
+    from pantheon.config import SamplingDefaults
+    from tests.fixtures.tiny_models import THINK_CHATML, write_tiny_llama
+    from tests.web.inprocess import InProcessApp
+
+    template = "{{ greeting | default('none') }}|" + THINK_CHATML
+    path = write_tiny_llama(tmp_path_factory.mktemp("kwargs") / "think.gguf", chat_template=template)
+    server = InProcessApp([(str(path), "think")], sampling=SamplingDefaults(
+        template_kwargs={"greeting": "hi", "enable_thinking": False}))
+    try:
+        def prompt(**body):
+            status, out, _ = server.post("/apply-template", {"messages": HELLO, **body})
+            return out["prompt"] if status == 200 else (status, out["error"]["type"], out["error"]["message"])
+
+        assert prompt().startswith("hi|") and not prompt().endswith("<think>\n")  # the serve's, thinking off
+        assert prompt(chat_template_kwargs={"greeting": "hey there"}).startswith("hey there|")
+        assert prompt(chat_template_kwargs={"enable_thinking": True}).endswith("<think>\n")
+        assert prompt(chat_template_kwargs={"enable_thinking": True}, enable_thinking=False) == prompt()
+        status, reply, _ = server.post("/v1/chat/completions", {
+            "model": "think", "max_tokens": 1, "messages": HELLO, "chat_template_kwargs": {"greeting": "hey there"}})
+        engine = server.engine()
+        assert status == 200 and reply["usage"]["prompt_tokens"] == len(engine.encode_prompt(
+            prompt(chat_template_kwargs={"greeting": "hey there"})))
+        hey = len(engine.encode_prompt(prompt(chat_template_kwargs={"greeting": "hey there"})))
+        assert hey != len(engine.encode_prompt(prompt()))
+        for route, body in (("/v1/messages/count_tokens", {"messages": HELLO}),
+                            ("/v1/responses/input_tokens", {"input": "hello"})):
+            status, out, _ = server.post(route, {"model": "think", "chat_template_kwargs": {"greeting": "hey there"}, **body})
+            assert status == 200 and out["input_tokens"] == hey, (route, out)
+        for kwargs, says in (([1], "'chat_template_kwargs' must be an object"),
+                             ({"messages": []}, "'chat_template_kwargs.messages' is set by the server"),
+                             ({"enable_thinking": "yes"}, "'chat_template_kwargs.enable_thinking' must be a boolean")):
+            status, kind, message = prompt(chat_template_kwargs=kwargs)
+            assert (status, kind) == (400, "invalid_request_error") and says in message
+    finally:
+        server.close()
+
+
+def test_no_slots_answers_as_llama_server(tmp_path_factory):
+    server = tiny_app(tmp_path_factory, "no-slots", slots_endpoint=False)
+    try:
+        status, body = server.get("/slots")
+        assert status == 501 and body["error"]["type"] == "not_supported_error" and "--slots" in body["error"]["message"]
+        assert server.get("/props")[1]["endpoint_slots"] is False
+    finally:
+        server.close()
+
+
 def test_props_need_the_key_the_model_list_does_not(tmp_path_factory):
     server = tiny_app(tmp_path_factory, "props-key", api_key=KEY)
     try:
