@@ -261,3 +261,13 @@ def test_llama_servers_other_serve_flags(capsys, monkeypatch):
 def test_llama_servers_flags_that_cannot_be_served_fail_in_one_line(argv, expected):
     out = pantheon(*argv, timeout=60)
     assert out.returncode == 2 and expected in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_several_hosts_as_llama_server_takes_them():
+    from pantheon.web.serve import binds, exposure_warning
+    from pantheon.config import ServeConfig
+
+    assert binds("127.0.0.1,::1", 8080) == ["127.0.0.1:8080", "[::1]:8080"]
+    assert binds("localhost", 9) == ["localhost:9"] and binds("[::1]", 9) == ["[::1]:9"]
+    assert exposure_warning(ServeConfig(host="127.0.0.1,::1")) is None
+    assert "0.0.0.0" in exposure_warning(ServeConfig(host="127.0.0.1,0.0.0.0"))

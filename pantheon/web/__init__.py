@@ -185,8 +185,9 @@ def _lifecycle(app: Quart, state: ServerState, load_models: bool) -> None:
             app.add_background_task(asyncio.to_thread, state.load_startup_models)
         if state.config.router:
             from pantheon.web.registration import Registration
+            from pantheon.web.serve import binds
 
-            advertise = state.config.advertise or f"http://{state.config.host}:{state.config.port}"
+            advertise = state.config.advertise or "http://" + binds(state.config.host, state.config.port)[0]
             state.registration = Registration(state, state.config.router, advertise)
             state.registration.start()
 
@@ -240,7 +241,6 @@ def _guard(app: Quart, state: ServerState) -> None:
 
 def _health(app: Quart, state: ServerState) -> None:
     @app.route("/", methods=["GET"])
-    @app.route("/health", methods=["GET"])
     async def health():
         import jax
 
@@ -251,6 +251,14 @@ def _health(app: Quart, state: ServerState) -> None:
         if state.load_errors:
             body["load_errors"] = state.load_errors
         return body
+
+    @app.route("/health", methods=["GET"])
+    async def readiness():
+        """GET /'s body once a model is ready; llama-server's 503 while the models load before that (a
+        readiness probe, and llama.cpp's clients, wait on it). GET / answers 200 always (the contract)."""
+        if state.loading() and not state.pool.ready():
+            return error_response(503, "unavailable_error", "Loading model", {"Retry-After": "5"})
+        return await health()
 
 
 def _error_handlers(app: Quart, state: ServerState) -> None:

@@ -135,10 +135,20 @@ def config_from_args(args) -> ServeConfig:
 
 def exposure_warning(config: ServeConfig) -> str | None:
     """A line for stderr when the server listens beyond loopback with /admin/* open to anyone."""
-    if config.admin_token or _loopback(config.host):
+    if config.admin_token or all(_loopback(h) for h in hosts(config.host)):
         return None
     return (f"pantheon: warning: serving on {config.host} without an admin token: anyone who can reach this "
             "port can load and unload models (set PANTHEON_ADMIN_TOKEN or --admin-token)")
+
+
+def hosts(host: str) -> list[str]:
+    """--host's addresses: one, or several comma-separated as llama-server takes them."""
+    return [h.strip() for h in host.split(",") if h.strip()] or ["127.0.0.1"]
+
+
+def binds(host: str, port: int) -> list[str]:
+    """hypercorn's binds for --host and --port (an IPv6 address in brackets)."""
+    return [f"[{h.strip('[]')}]:{port}" if ":" in h.strip("[]") else f"{h}:{port}" for h in hosts(host)]
 
 
 def _loopback(host: str) -> bool:
@@ -206,7 +216,7 @@ def serve(args) -> int:
         return 2
     app = create_app(config)
     hc = Config()
-    hc.bind = [f"{config.host}:{config.port}"]
+    hc.bind = binds(config.host, config.port)
     hc.keep_alive_timeout = 5
     hc.graceful_timeout = 5
 

@@ -35,7 +35,12 @@ def test_chat_is_503_with_retry_after_while_a_model_loads():
         assert status == 503 and body["error"]["type"] == "no_models_loaded"
         assert "loading" in body["error"]["message"] and headers["retry-after"] == "5"
         assert _health(app)["loading"] == ["SmolLM2-135M-Instruct"]
+        # /health is llama-server's readiness: 503 "Loading model" until a model is ready (GET / stays 200)
+        status, body = app.get("/health")
+        assert status == 503 and body["error"]["type"] == "unavailable_error"
+        assert body["error"]["message"] == "Loading model"
         app.state.fetching.clear()
+        assert app.get("/health")[0] == 200
 
         entry = ModelEntry(ModelConfig(path="/models/a.gguf", name="a"))  # as pool.load leaves it mid-upload
         assert entry.state == LOADING
@@ -61,6 +66,7 @@ def test_a_request_for_a_model_still_loading_is_503_not_another_models_answer(tm
         assert status == 503 and body["error"]["type"] == "model_loading", body
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "5"
         assert _health(app)["loading"] == ["b"]
+        assert app.get("/health") == (200, _health(app))  # a is ready: the server serves
         status, body, _ = app.post("/v1/chat/completions", {**CHAT, "model": "a", "max_tokens": 1})
         assert status == 200 and body["model"] == "a"
         app.state.starting.clear()
