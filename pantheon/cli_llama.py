@@ -34,13 +34,12 @@ LLAMA_SERVER_IGNORED = (
     (("--swa-full",), "sliding-window layers keep rings of the window (and 512 positions to rewind)"),
     (("--cache-reuse",), "a prompt reuses its session's KV by prefix (and the slot's marks), not by KV shifting"),
     (("-ctxcp", "--ctx-checkpoints"), "a slot keeps up to 3 marks (its context checkpoints)"),
-    (("--reasoning-format",), "thoughts always go to reasoning_content (llama-server's deepseek format)"),
     (("--pooling",), "embeddings are pooled as the model file says"),
     (("-to", "--timeout"), "the HTTP server keeps hypercorn's timeouts"),
     (("--threads-http",), "requests are served by one asyncio loop"),
 )
-LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub", "--cache-reuse", "-ctxcp", "--reasoning-format",
-                       "--pooling", "-to", "--threads-http")
+LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub", "--cache-reuse", "-ctxcp", "--pooling", "-to",
+                       "--threads-http")
 # llama-server's downloads: refused with one line (there is no model hub here)
 LLAMA_SERVER_DOWNLOADS = (("-hf", "--hf-repo"), ("-hff", "--hf-file"), ("-mu", "--model-url"))
 
@@ -72,6 +71,9 @@ def add_sampling_defaults(s) -> None:
     sampling.add_argument("--chat-template-kwargs", type=cli_types.json_object, default=None, metavar="JSON",
                           help="the chat template's arguments, under a request's chat_template_kwargs, e.g. "
                                "'{\"enable_thinking\": false}' (default: none)")
+    sampling.add_argument("--reasoning-format", choices=("auto", "deepseek", "none"), default=None,
+                          help="a think model's thoughts: auto or deepseek split them into reasoning_content, none "
+                               "leaves them in the content (default: auto)")
     sampling.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default=None,
                           help="thinking where a request does not say: on, off, or auto, the template's own "
                                "(default: auto, else $PANTHEON_NO_THINK)")

@@ -57,6 +57,7 @@ class SamplingDefaults:
     frequency_penalty: float | None = None
     seed: int | None = None
     max_tokens: int | None = None  # -1: to the window
+    reasoning_format: str | None = None  # --reasoning-format: "none" leaves thoughts in the content
     # the chat template's arguments (--chat-template-kwargs, --reasoning), under a request's own
     template_kwargs: dict | None = None
 

@@ -237,10 +237,11 @@ def test_llama_servers_other_serve_flags(capsys, monkeypatch):
     assert not config_module.Settings.from_env().warm_up and not config.slots_endpoint and args.trace_requests
     assert read()[1].slots_endpoint
     capsys.readouterr()
-    read("--offline", "--embeddings", "--no-context-shift", "-kvu", "--cache-reuse", "256", "-ctxcp", "8",
-         "--reasoning-format", "deepseek", "--no-ui")
+    _, config = read("--offline", "--embeddings", "--no-context-shift", "-kvu", "--cache-reuse", "256", "-ctxcp", "8",
+                     "--reasoning-format", "none", "--no-ui")
     assert capsys.readouterr().err.strip() == "pantheon serve: ignoring llama-server's --no-webui --offline " \
-        "--embedding --no-context-shift -kvu --cache-reuse -ctxcp --reasoning-format (see pantheon serve --help)"
+        "--embedding --no-context-shift -kvu --cache-reuse -ctxcp (see pantheon serve --help)"
+    assert config.sampling.given() == {"reasoning_format": "none"}  # a request's field where it gives none
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -369,8 +369,18 @@ def plan_chat(engine, chat, window: int | None = None) -> ChatPlan:
         session_id=chat.session_id, dialect=prompt.dialect, tools=prompt.specs, grammar=fmt.grammar or tools,
         reasoning_budget=engine.reasoning_budget if chat.reasoning_budget is None else max(chat.reasoning_budget, 0),
         progress=chat.stream and chat.return_progress, timed=chat.stream and chat.timings_per_token,
-        prompt_logprobs=getattr(chat, "prompt_logprobs", None), mark_at=_last_turn_start(engine, chat, prompt))
+        prompt_logprobs=getattr(chat, "prompt_logprobs", None), mark_at=_last_turn_start(engine, chat, prompt),
+        thoughts_in_content=_thoughts_in_content(chat, prompt))
     return ChatPlan(request, fmt.status, fmt.json_constrained, fmt.downgraded)
+
+
+def _thoughts_in_content(chat, prompt: _Prompt) -> str | None:
+    """reasoning_format "none": None where thoughts are split out (the default), else the text the
+    content opens with: the think block's opening where the prompt ends inside one (llama-server
+    gives it back in the content too)."""
+    if getattr(chat, "reasoning_format", None) != "none" or not prompt.think:
+        return None
+    return prompt.text[prompt.text.rfind("<think>"):] if prompt.start_in_reasoning else ""
 
 
 def _last_turn_start(engine, chat, prompt: _Prompt) -> int | None:

@@ -18,6 +18,10 @@ class GenerationRequest:
     stops: list[str] = field(default_factory=list)
     think: bool = False  # split <think>...</think> into reasoning_content
     start_in_reasoning: bool = False  # the rendered prompt ends inside an open think block
+    # reasoning_format "none" (llama-server's): the thoughts stay in the content, not split out
+    # (the budget still closes the block); the content opens with this (the think block's opening
+    # the prompt holds, or "")
+    thoughts_in_content: str | None = None
     reasoning_budget: int = 0  # force the think block closed after this many tokens (0 = off)
     session_id: str | None = None  # choice 0 resumes from / stores into this session's cache
     dialect: object = None  # a tools Dialect: parse tool calls out of the content

@@ -349,8 +349,11 @@ class Scheduler:
 
             # under a tool grammar the call cannot fail, so it streams as it is generated (the
             # opening once the name is read, then each argument); otherwise it comes out whole
-            parser = ToolCallParser(req.dialect, req.tools, incremental=req.grammar is not None)
-        seq.text = ChoiceText(self.engine.tokenizer, req.stops, req.think, req.start_in_reasoning, parser)
+            # (thoughts left in the content pass through it as content, not read for calls)
+            parser = ToolCallParser(req.dialect, req.tools, incremental=req.grammar is not None,
+                                    start_in_reasoning=req.start_in_reasoning and req.thoughts_in_content is not None)
+        seq.text = ChoiceText(self.engine.tokenizer, req.stops, req.think, req.start_in_reasoning, parser,
+                              keep_thoughts=req.thoughts_in_content is not None, lead=req.thoughts_in_content or "")
         if req.grammar is not None:
             seq.matcher = self.engine.grammar_factory.matcher(req.grammar)
         self.running.append(seq)

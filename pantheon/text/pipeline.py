@@ -32,6 +32,10 @@ class ChoiceText:
     think: bool = False  # parse <think>...</think> (think-style template)
     start_in_reasoning: bool = False  # the prompt ended inside an open think block
     tool_parser: object = None  # a ToolCallParser when the request offers tools
+    # reasoning_format "none": the think block is followed (the budget can close it) but its text
+    # stays in the content, which opens with `lead` (the think block's opening the prompt holds)
+    keep_thoughts: bool = False
+    lead: str = ""
 
     def __post_init__(self):
         self.detok = IncrementalDetokenizer(self.tokenizer, unparse_special=False)
@@ -70,7 +74,7 @@ class ChoiceText:
         if not stopped:
             text += self.stop.flush()
         delta = self._split(text)
-        if self.split is not None:
+        if self.split is not None and not self.keep_thoughts:
             for kind, piece in self.split.flush():
                 self._add(delta, kind, piece)
         if self.tool_parser is not None:
@@ -80,7 +84,11 @@ class ChoiceText:
 
     def _split(self, text: str) -> TextDelta:
         delta = TextDelta()
-        if self.split is None:
+        if self.split is None or self.keep_thoughts:
+            if self.split is not None and text:
+                self.split.push(text)  # its state only: where the think block is
+            if text:
+                text, self.lead = self.lead + text, ""
             self._add(delta, "content", text)
         elif text:
             for kind, piece in self.split.push(text):

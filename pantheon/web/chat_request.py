@@ -45,6 +45,7 @@ class ChatRequest:
     grammar: str | None = None  # llama-server's GBNF constraint
     enable_thinking: bool | None = None
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs (vLLM's, llama-server's)
+    reasoning_format: str = "auto"  # llama-server's: "none" leaves a think model's thoughts in the content
     reasoning_budget: int | None = None  # None -> the model's; <= 0 -> off
     tools: list | None = None
     tool_choice: Any = "auto"
@@ -288,6 +289,8 @@ def _with_defaults(body: dict, ops: SamplingDefaults) -> dict:
     return out
 
 
+# llama-server's reasoning formats served: auto and deepseek split thoughts into reasoning_content
+REASONING_FORMATS = ("auto", "deepseek", "none")
 # What the template context sets itself (text.chat_template.ChatTemplate._context): not a request's.
 TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
@@ -407,6 +410,10 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
     if budget is not None:
         budget = min(_number({"reasoning_budget": budget}, "reasoning_budget", 0, int), INT32_MAX)
     template_kwargs = _template_kwargs(body.get("chat_template_kwargs"), ops.template_kwargs or {})
+    reasoning_format = body.get("reasoning_format")
+    if reasoning_format not in (None,) + REASONING_FORMATS:
+        raise invalid(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)} (llama-server's "
+                      f"deepseek-legacy is not served here), got {reasoning_format!r:.40}")
     thinking = body.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise invalid("'enable_thinking' must be a boolean")
@@ -452,6 +459,7 @@ def sampling_fields(body: dict, session_header: str | None = None) -> dict:
         grammar=grammar or None,
         enable_thinking=thinking,
         template_kwargs=template_kwargs,
+        reasoning_format=reasoning_format or "auto",
         reasoning_budget=budget,
         session_id=_session_id(body, session_header),
         return_progress=body.get("return_progress") is True,

@@ -100,6 +100,7 @@ def _sampling(args) -> SamplingDefaults:
                             presence_penalty=getattr(args, "presence_penalty", None),
                             frequency_penalty=getattr(args, "frequency_penalty", None),
                             seed=None if seed == -1 else seed, max_tokens=getattr(args, "n_predict", None),
+                            reasoning_format=getattr(args, "reasoning_format", None),
                             template_kwargs=_template_kwargs(args))
 
 

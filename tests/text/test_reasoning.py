@@ -169,3 +169,18 @@ def test_think_mode():
     assert think_mode("{% if enable_thinking %}<think>\n{% endif %}")
     assert not think_mode("{{ '<|im_start|>' + message['role'] }}")
     assert not think_mode("")
+
+
+def test_kept_thoughts_stay_in_the_content_while_the_block_is_followed(smollm2_tokenizer):
+    """ChoiceText for reasoning_format "none": every piece is content (the prompt's opening first),
+    while the splitter still knows whether the think block is open (the budget reads it)."""
+    from pantheon.text.pipeline import ChoiceText
+
+    text = ChoiceText(smollm2_tokenizer, think=True, start_in_reasoning=True, keep_thoughts=True, lead="<think>\n")
+    out = [text.push_text(p) for p in ("let me ", "see</th", "ink>\n\nIt is ", "4.")]
+    assert [d.reasoning for d in out] == ["", "", "", ""]
+    assert "".join(d.content for d in out) + text.finish().content == "<think>\nlet me see</think>\n\nIt is 4."
+    assert not text.in_reasoning
+    fresh = ChoiceText(smollm2_tokenizer, think=True, start_in_reasoning=True, keep_thoughts=True)
+    fresh.push_text("still thinking")
+    assert fresh.in_reasoning

@@ -47,6 +47,12 @@ def test_stop_string_or_list():
         parse_chat_request({"messages": M, "stop": 3})
 
 
+def test_reasoning_format_llama_servers_names():
+    assert parse_chat_request({"messages": M}).reasoning_format == "auto"
+    for name in ("auto", "deepseek", "none"):
+        assert parse_chat_request({"messages": M, "reasoning_format": name}).reasoning_format == name
+
+
 def test_reasoning_budget_alias_and_precedence():
     assert parse_chat_request({"messages": M, "max_reasoning_tokens": 5}).reasoning_budget == 5
     assert parse_chat_request({"messages": M, "max_reasoning_tokens": 5, "reasoning_budget": 2}).reasoning_budget == 2
@@ -76,7 +82,9 @@ def test_messages_missing_role_is_user_and_content_parts_are_joined():
 
 @pytest.mark.parametrize("body", [None, [], "x", {}, {"messages": []}, {"messages": [3]},
                                   {"messages": M, "temperature": "x"}, {"messages": M, "top_k": True},
-                                  {"messages": M, "enable_thinking": "yes"}])
+                                  {"messages": M, "enable_thinking": "yes"},
+                                  {"messages": M, "reasoning_format": "deepseek-legacy"},
+                                  {"messages": M, "reasoning_format": 1}])
 def test_invalid_bodies_raise_400(body):
     with pytest.raises(ApiError) as e:
         parse_chat_request(body)

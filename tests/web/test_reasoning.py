@@ -84,3 +84,15 @@ def test_budget_zero_disables_forcing(think_server):
              seed=2, logit_bias=NO_END)
     msg = r["choices"][0]["message"]
     assert msg["content"] == "" and msg["reasoning_content"]  # never closed: all of it is reasoning
+
+
+@pytest.mark.parametrize("model", ["split", "single"])
+def test_reasoning_format_none_leaves_the_thoughts_in_the_content(think_server, model):
+    """llama-server's reasoning_format "none": nothing is split out; the content is the think block
+    the prompt opened, then every generated token's text (the budget's forced close included)."""
+    r = chat(think_server, model=model, enable_thinking=True, reasoning_budget=6, max_tokens=20, temperature=0.9,
+             seed=7, logprobs=True, logit_bias=ban_think_tags(model), reasoning_format="none")
+    msg, choice = r["choices"][0]["message"], r["choices"][0]
+    tokens = b"".join(bytes(t["bytes"]) for t in choice["logprobs"]["content"])
+    assert "reasoning_content" not in msg and b"</think>\n\n" in tokens
+    assert msg["content"] == "<think>\n" + tokens.decode("utf-8", "replace")
