@@ -387,11 +387,12 @@ def _last_turn_start(engine, chat, prompt: _Prompt) -> int | None:
     """Where the chat's last user turn starts in its prompt's tokens, for a model whose slots are
     marked (SlotTable.mark: two conversations that share a long system prompt then resume on a
     sliding or recurrent model); None where the model needs no marks, the part before is short, or
-    the template does not render that part as a prefix of the whole, ending on a token boundary."""
+    no token boundary is found there. The turn starts where the conversation before it, rendered
+    alone, ends; where the template renders no such prefix (Gemma's puts the system prompt inside
+    the first user turn), where the turn's own text starts."""
     from pantheon.engine import sessions
 
-    ids, least = prompt.ids, sessions.MARK_MIN_TOKENS
-    if not getattr(engine, "marks", False) or not prompt.text or len(ids) <= least:
+    if not getattr(engine, "marks", False) or not prompt.text or len(prompt.ids) <= sessions.MARK_MIN_TOKENS:
         return None
     last = max((i for i, m in enumerate(chat.messages) if m.get("role") == "user"), default=0)
     if last == 0:
@@ -399,14 +400,25 @@ def _last_turn_start(engine, chat, prompt: _Prompt) -> int | None:
     try:
         head = render_prompt(engine, replace(chat, messages=chat.messages[:last]), add_generation_prompt=False)[0]
     except PlanError:
-        return None
-    if not prompt.text.startswith(head):
-        return None
-    # The token whose pieces end where the head's text does (no second tokenizing of ~20k tokens:
-    # 220 ms measured), checked by decoding the tokens before it back to the head.
-    tok = engine.tokenizer
+        head = None
+    k = _token_boundary(engine.tokenizer, prompt, head) if head and prompt.text.startswith(head) else None
+    if k is None:
+        content = chat.messages[last].get("content")
+        at = prompt.text.rfind(content) if isinstance(content, str) and content else -1
+        k = _token_boundary(engine.tokenizer, prompt, prompt.text[:at]) if at > 0 else None
+    return k
+
+
+def _token_boundary(tok, prompt: _Prompt, head: str) -> int | None:
+    """How many of the prompt's tokens spell `head`, a prefix of its text (at least MARK_MIN_TOKENS,
+    not all of them); None where no token ends there. Found from the tokens' byte lengths (no second
+    tokenizing of ~20k tokens: 220 ms measured), checked by decoding the tokens back to the head."""
+    from pantheon.engine import sessions
+
+    ids = prompt.ids
     ends = np.cumsum([len(tok.token_bytes(t)) for t in ids])
     lead = int(ends[-1]) - len(prompt.text.encode("utf-8"))  # a space the tokenizer put before the text
     end = len(head.encode("utf-8")) + lead
     k = int(np.searchsorted(ends, end)) + 1
-    return k if least <= k < len(ids) and ends[k - 1] == end and tok.decode(ids[:k]) == head else None
+    return k if sessions.MARK_MIN_TOKENS <= k < len(ids) and ends[k - 1] == end and tok.decode(ids[:k]) == head \
+        else None

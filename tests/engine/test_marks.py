@@ -126,3 +126,35 @@ def test_a_conversation_sharing_only_the_system_prompt_resumes_where_its_user_tu
     warm, end = generate(gemma, second.prompt_ids, 8, mark_at=at)
     assert end.cached_tokens == at and gemma.table.resumes == resumes + 1
     assert warm == cold
+
+
+def test_a_system_prompt_inside_the_first_user_turn_is_marked_where_the_users_text_starts(gemma, monkeypatch):
+    """Gemma's template has no system turn: the system prompt opens the first user turn, so no
+    rendering of the conversation before that turn is a prefix of the prompt. The mark then goes
+    where the user's own text starts, and a second conversation with the same system prompt
+    resumes there."""
+    from pantheon.engine.chat import plan_chat
+    from pantheon.engine.sequence import Sequence
+    from pantheon.web.chat_request import parse_chat_request
+
+    engine = Engine(ModelConfig(str(gemma.path), ctx_cap=CTX, max_sessions=2, max_concurrent=2, chat_template="gemma"))
+    try:
+        system = " ".join(f"rule {i}: be exact." for i in range(60))
+        chat = lambda question: parse_chat_request({"messages": [{"role": "system", "content": system},
+                                                                {"role": "user", "content": question}]})
+        first, second = (plan_chat(engine, chat(q)) for q in ("What is 2 + 2?", "Name a colour."))
+        first, second = first.request, second.request
+        at = first.mark_at
+        assert at is not None and at == second.mark_at > 1000 and first.prompt_ids[:at] == second.prompt_ids[:at]
+        text = engine.tokenizer.decode(first.prompt_ids[:at])
+        assert text.startswith("<start_of_turn>user\n" + system) and not text.endswith("What")
+        assert engine.tokenizer.decode(first.prompt_ids).startswith(text + "What is 2 + 2?")
+        cold, _ = generate(engine, second.prompt_ids, 8, mark_at=at)
+        with monkeypatch.context() as m:
+            m.setattr(Sequence, "compelled", property(lambda self: True))
+            _, end = generate(engine, first.prompt_ids, 600, mark_at=at)
+        resumes = engine.table.resumes
+        warm, end = generate(engine, second.prompt_ids, 8, mark_at=at)
+        assert end.cached_tokens == at and engine.table.resumes == resumes + 1 and warm == cold
+    finally:
+        engine.stop()
