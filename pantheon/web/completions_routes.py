@@ -1,4 +1,5 @@
-"""POST /v1/completions (and /completions): OpenAI's legacy text completions. The prompt is raw text
+"""POST /v1/completions: OpenAI's legacy text completions (llama-server's /completions is its native
+/completion: native_routes). The prompt is raw text
 or token ids, no chat template, on the same engine, sampler and sessions as chat; several prompts
 run as concurrent requests, their choices numbered prompt-major (prompt i, choice j -> i * n + j).
 `echo` with `logprobs` scores the prompt too (each prompt token's log-probability given those
@@ -116,7 +117,6 @@ def _echo_text(engine, req: ChatRequest) -> str:
 
 
 @bp.route("/v1/completions", methods=["POST"])
-@bp.route("/completions", methods=["POST"])  # clients configured with a base URL lacking /v1
 async def completions():
     reqs, opts = parse_completion_request(await json_body())
     submitted = []

@@ -174,6 +174,7 @@ async def _body_and_engine():
 
 
 @bp.route("/completion", methods=["POST"])
+@bp.route("/completions", methods=["POST"])  # llama-server's twin of /completion (its OpenAI one is /v1/completions)
 async def completion():
     body, engine = await _body_and_engine()
     prompts = llama_prompts("prompt", body.get("prompt"), MAX_PROMPTS)

@@ -285,6 +285,9 @@ def test_native_completion(app):
     status, picked, _ = app.post("/completion", {"prompt": "hello", "n_predict": 2,
                                                  "response_fields": ["content", "generation_settings/n_predict"]})
     assert status == 200 and set(picked) == {"content", "generation_settings/n_predict"}
+    # /completions is its twin, as llama-server routes it (OpenAI's legacy shape: /v1/completions)
+    status, twin, _ = app.post("/completions", {"prompt": "hello", "n_predict": 4, "temperature": 0})
+    assert status == 200 and twin["tokens_predicted"] == 4 and "content" in twin and "choices" not in twin
 
 
 def test_native_completion_post_sampling_probs(app):
