@@ -130,6 +130,11 @@ CHAT_FIELDS = {
     "session_id": either(st.sampled_from(SESSIONS)), "prompt_cache_key": either(st.sampled_from(SESSIONS)),
     "enable_thinking": scalars, "reasoning_budget": INTS, "max_reasoning_tokens": INTS,
     "min_p": numbers, "repetition_penalty": numbers, "return_progress": scalars, "timings_per_token": scalars,
+    "add_generation_prompt": scalars, "continue_final_message": either(st.sampled_from(["content", True, False])),
+    "chat_template_kwargs": either(st.dictionaries(st.one_of(texts, st.sampled_from(["enable_thinking", "messages",
+                                                                                       "documents"])), values,
+                                                   max_size=3)),
+    "reasoning_format": either(st.sampled_from(["none", "auto", "deepseek", "deepseek-legacy"])),
 }
 LOAD_PATHS = st.sampled_from(["tiny.gguf", "missing.gguf", "/nonexistent/x.gguf", "../outside.gguf", "/etc/passwd",
                               "/", "", ".", "link-out.gguf", "loop.gguf", "a\x00b", "x/" * 3000])
