@@ -95,6 +95,9 @@ def add_llama_server_flags(s) -> None:
     llama.add_argument("-cram", "--cache-ram", type=cli_types.cache_mib, default=None, metavar="MIB",
                        help="host memory for idle sessions' KV (the session host tier), MiB: -1 no limit (all "
                             "physical memory), 0 off (default: $PN_SESSION_HOST_BYTES, else a quarter of memory)")
+    llama.add_argument("--cors-origins", default=None, metavar="ORIGINS",
+                       help="browser origins allowed by CORS: *, localhost (loopback origins only, llama-server's "
+                            "special value) or a comma-separated list (default: $PANTHEON_CORS_ORIGINS, else *)")
     llama.add_argument("--no-warmup", action="store_true",
                        help="compile each program on first use instead of at load (default: compiled at load)")
     llama.add_argument("--no-slots", dest="slots_endpoint", action="store_false",

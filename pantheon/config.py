@@ -31,6 +31,7 @@ ENV_ACCESS_LOG = "PANTHEON_ACCESS_LOG"  # text (default), json or off: one line 
 ENV_HOST_MEMORY = "PANTHEON_HOST_MEMORY_BYTES"  # caps the host memory CPU admission plans with
 ENV_KV_DTYPE = "PANTHEON_KV_DTYPE"  # the KV cache's type: auto (default), f32, f16, bf16, q8_0
 ENV_SESSION_KEY = "PANTHEON_SESSION_KEY"  # seals session blobs (HMAC); unset: a random key per process
+ENV_CORS_ORIGINS = "PANTHEON_CORS_ORIGINS"  # serve --cors-origins: "*" (default), "localhost", or a list
 
 KV_DTYPE_CHOICES = ("auto", "f32", "f16", "bf16", "q8_0")  # model/dtypes.kv_cache_dtype
 DEFAULT_CTX_CAP = 4096
@@ -139,6 +140,7 @@ class ServeConfig:
     router: str | None = None  # a router's URL to register with (web/registration.py)
     advertise: str | None = None  # this instance's URL as the router should reach it (default http://host:port)
     slots_endpoint: bool = True  # GET /slots served (llama-server's --no-slots: 501)
+    cors_origins: str = "*"  # "*": any (the contract's); "localhost": local origins; else a comma-separated list
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -154,7 +156,8 @@ class ServeConfig:
                    models_dir=os.environ.get(ENV_MODELS_DIR) or None,
                    access_log=(os.environ.get(ENV_ACCESS_LOG) or "text").strip().lower(),
                    router=os.environ.get(ENV_ROUTER) or None, advertise=os.environ.get(ENV_ADVERTISE) or None,
-                   kv_dtype=_env_choice(ENV_KV_DTYPE, KV_DTYPE_CHOICES))
+                   kv_dtype=_env_choice(ENV_KV_DTYPE, KV_DTYPE_CHOICES),
+                   cors_origins=(os.environ.get(ENV_CORS_ORIGINS) or "*").strip() or "*")
 
     def model_config(self, path: str, name: str | None) -> ModelConfig:
         served = name or Path(path).name.removesuffix(".gguf")

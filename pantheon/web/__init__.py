@@ -212,7 +212,7 @@ def _guard(app: Quart, state: ServerState) -> None:
         note(route=request.url_rule.rule if request.url_rule else None)
         if request.method == "OPTIONS":  # answered before any auth check: a preflight carries no token
             asked = request.headers.get("Access-Control-Request-Headers")
-            return {}, 200, {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            return {}, 200, {"Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
                              "Access-Control-Allow-Headers": asked or "authorization, content-type, x-session-id",
                              "Access-Control-Max-Age": "86400"}
         # The matched rule as well as the raw path: no spelling of a path (//admin/...) reaches an
@@ -234,9 +234,31 @@ def _guard(app: Quart, state: ServerState) -> None:
 
     @app.after_request
     async def contract_headers(response: Response) -> Response:
-        response.headers["Access-Control-Allow-Origin"] = "*"
+        if (origin := allowed_origin(state.config.cors_origins, request.headers.get("Origin"))) is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            if origin != "*":
+                response.headers["Vary"] = "Origin"
         response.headers["Connection"] = "close"
         return response
+
+
+def allowed_origin(allowed: str, origin: str | None) -> str | None:
+    """Access-Control-Allow-Origin for a request from `origin` under --cors-origins: "*" for any (the
+    contract's default); with "localhost", the origin itself when it is a loopback one (llama-server's
+    special value); with a comma-separated list, the origin itself when listed; else none."""
+    if allowed == "*":
+        return "*"
+    if not origin:
+        return None
+    if allowed == "localhost":
+        from urllib.parse import urlsplit
+
+        try:
+            host = urlsplit(origin).hostname or ""
+        except ValueError:
+            return None
+        return origin if host in ("localhost", "127.0.0.1", "::1") else None
+    return origin if origin in {o.strip() for o in allowed.split(",")} else None
 
 
 def _health(app: Quart, state: ServerState) -> None:

@@ -131,7 +131,8 @@ def config_from_args(args) -> ServeConfig:
                        access_log="off" if getattr(args, "quiet", False) else getattr(args, "log_format", None) or env.access_log,
                        router=getattr(args, "router", None) or env.router,
                        advertise=getattr(args, "advertise", None) or env.advertise,
-                       slots_endpoint=getattr(args, "slots_endpoint", True))
+                       slots_endpoint=getattr(args, "slots_endpoint", True),
+                       cors_origins=getattr(args, "cors_origins", None) or env.cors_origins)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:

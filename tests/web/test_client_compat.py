@@ -175,7 +175,7 @@ def test_a_preflight_echoes_the_requested_headers(app):
                                  "Access-Control-Request-Headers": "authorization, x-stainless-os, content-type"})
     assert status == 200 and body == {}
     assert h["Access-Control-Allow-Origin"] == "*"
-    assert h["Access-Control-Allow-Methods"] == "GET, POST, OPTIONS"
+    assert h["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
     assert h["Access-Control-Allow-Headers"] == "authorization, x-stainless-os, content-type"
     assert h["Access-Control-Max-Age"] == "86400"
 
@@ -185,7 +185,7 @@ def test_a_preflight_without_requested_headers_allows_the_defaults(app):
         status, body, h = preflight(app, path)
         assert status == 200 and body == {}
         assert h["Access-Control-Allow-Headers"] == "authorization, content-type, x-session-id"
-        assert h["Access-Control-Allow-Methods"] == "GET, POST, OPTIONS" and h["Access-Control-Max-Age"] == "86400"
+        assert h["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS" and h["Access-Control-Max-Age"] == "86400"
 
 
 # --- errors known before the stream opens -----------------------------------------------------------
@@ -201,3 +201,35 @@ def test_an_over_long_streamed_prompt_is_422_with_kv_fields(app, words):
     assert f"kv_cap={KV_CAP}" in err["message"]  # the contract's message text, kept
     status, plain, _ = app.post(CHAT, chat(msgs))  # non-stream: the same body
     assert status == 422 and plain == body
+
+
+@pytest.mark.parametrize("allowed, origin, expected", [
+    ("*", "http://evil.example", "*"), ("*", None, "*"),
+    ("localhost", "http://localhost:3000", "http://localhost:3000"), ("localhost", "http://[::1]", "http://[::1]"),
+    ("localhost", "http://127.0.0.1", "http://127.0.0.1"), ("localhost", "http://localhost.evil.example", None),
+    ("localhost", "http://evil.example", None), ("localhost", None, None), ("localhost", "http://[x", None),
+    ("https://a.example, https://b.example", "https://b.example", "https://b.example"),
+    ("https://a.example", "https://c.example", None),
+])
+def test_cors_origins_as_llama_server_takes_them(allowed, origin, expected):
+    from pantheon.web import allowed_origin
+
+    assert allowed_origin(allowed, origin) == expected
+
+
+def test_cors_origins_restrict_the_allowed_origin_on_every_answer(tmp_path_factory):
+    from tests.web.inprocess import tiny_app
+
+    server = tiny_app(tmp_path_factory, "cors", cors_origins="localhost")
+    try:
+        for origin, expected in (("http://localhost:5173", "http://localhost:5173"), ("http://evil.example", None)):
+            status, _, h = preflight(server, "/v1/chat/completions", {"Origin": origin,
+                                                                      "Access-Control-Request-Method": "POST"})
+            assert status == 200 and h.get("Access-Control-Allow-Origin") == expected
+            status, _, h = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_tokens": 1}, {"Origin": origin})
+            h = {k.lower(): v for k, v in h.items()}
+            assert status == 200 and h.get("access-control-allow-origin") == expected
+            assert h.get("vary") == ("Origin" if expected else None)
+    finally:
+        server.close()
