@@ -5,7 +5,9 @@ Environment: jinja2 `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_bloc
 `raise_exception`, `strftime_now` and jinja's `namespace`; a `tojson` filter that is plain
 `json.dumps(ensure_ascii=False)` (jinja's own HTML-escapes `<>&'`). Render variables: `messages`,
 `tools`, `documents`, `add_generation_prompt`, `bos_token`, `eos_token`, any extra special-token
-strings, plus request kwargs such as `enable_thinking`.
+strings, today's `date_string` ("%d %b %Y") and `datetime` ("%b %d %Y") as llama.cpp adds them
+(Llama 3.x templates otherwise print their fallback date), plus request kwargs such as
+`enable_thinking` (which may set those two as well).
 
 Messages are copied before rendering; an assistant message's `tool_calls[].function.arguments`
 given as a JSON string (the OpenAI wire form) is parsed into a dict, because templates such as
@@ -245,7 +247,9 @@ class ChatTemplate:
         return self._render(self._context(messages, add_generation_prompt, tools, kwargs))
 
     def _context(self, messages, add_generation_prompt, tools, kwargs) -> dict[str, Any]:
-        ctx: dict[str, Any] = {"documents": None}
+        now = datetime.now()
+        ctx: dict[str, Any] = {"documents": None, "date_string": now.strftime("%d %b %Y"),
+                               "datetime": now.strftime("%b %d %Y")}
         ctx.update(self.extra_tokens)
         ctx.update(kwargs)
         ctx.update(messages=normalize_messages(messages), tools=tools,

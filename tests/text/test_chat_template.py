@@ -183,3 +183,19 @@ def test_system_turns_after_the_first_fold_into_a_user_turn_beside_them():
                                         {"role": "user", "content": "Z"}]
     # every one, the first too (a template with no system role)
     assert fold_system_turns(plain, keep_first=False) == [{"role": "user", "content": "S\n\nu"}]
+
+
+def test_todays_date_is_in_the_context_as_llama_cpp_puts_it():
+    """Llama 3.x templates print `date_string` (else their fallback, "26 Jul 2024"): today's, as
+    llama.cpp's extra context gives it, unless the request's kwargs give another."""
+    import datetime
+
+    from pantheon.text.chat_template import ChatTemplate
+
+    t = ChatTemplate('{%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}'
+                     'Today Date: {{ date_string }} / {{ datetime }}')
+    before = datetime.date.today()
+    text = t.render([], False)
+    assert text in {f"Today Date: {d.strftime('%d %b %Y')} / {d.strftime('%b %d %Y')}"
+                    for d in (before, datetime.date.today())}  # a render at midnight takes either day
+    assert t.render([], False, date_string="01 Jan 2000").startswith("Today Date: 01 Jan 2000 /")
