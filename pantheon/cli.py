@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=KV_DTYPE_HELP.replace("(default: auto", "(default: $PANTHEON_KV_DTYPE, else auto"))
     chat_template_args(s)
     s.add_argument("-a", "--alias", "--name", dest="name", action="append", default=[],
-                   help="served name for the matching --model (default: the file name without .gguf)")
+                   help="served name for the matching --model; comma-separated names are llama-server's aliases "
+                        "(the first in sorted order is the id, each answers) (default: the file name without .gguf)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=cli_types.port, default=8080, help="port to listen on")
     s.add_argument("--ctx-cap", type=cli_types.positive_int, default=None,

@@ -37,9 +37,10 @@ LLAMA_SERVER_IGNORED = (
     (("--pooling",), "embeddings are pooled as the model file says"),
     (("-to", "--timeout"), "the HTTP server keeps hypercorn's timeouts"),
     (("--threads-http",), "requests are served by one asyncio loop"),
+    (("--tags",), "the model list carries no tags"),
 )
 LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub", "--cache-reuse", "-ctxcp", "--pooling", "-to",
-                       "--threads-http")
+                       "--threads-http", "--tags")
 # llama-server's downloads: refused with one line (there is no model hub here)
 LLAMA_SERVER_DOWNLOADS = (("-hf", "--hf-repo"), ("-hff", "--hf-file"), ("-mu", "--model-url"))
 

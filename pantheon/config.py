@@ -82,6 +82,7 @@ class ModelConfig:
     numerics: str = "exact"  # batch-invariant f32; "llamacpp" rounds activations like llama.cpp's CPU path
     kv_dtype: str = "auto"  # model/dtypes.kv_cache_dtype: f16 on the CPU, bf16 on a GPU
     chat_template: str | None = None  # --chat-template: a builtin's name or Jinja source; None: the file's
+    aliases: tuple[str, ...] = ()  # more names the model answers to (llama-server's -a a,b,c)
 
     @property
     def max_concurrent_configured(self) -> int:
@@ -160,8 +161,11 @@ class ServeConfig:
                    cors_origins=(os.environ.get(ENV_CORS_ORIGINS) or "*").strip() or "*")
 
     def model_config(self, path: str, name: str | None) -> ModelConfig:
-        served = name or Path(path).name.removesuffix(".gguf")
-        return ModelConfig(path=path, name=served, ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
+        # comma-separated names are llama-server's aliases: the first in sorted order is the id (its
+        # std::set's), the others answer too
+        names = sorted({n.strip() for n in (name or "").split(",") if n.strip()})
+        served = names[0] if names else Path(path).name.removesuffix(".gguf")
+        return ModelConfig(path=path, name=served, aliases=tuple(names[1:]), ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
                            reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics,
                            kv_dtype=self.kv_dtype, chat_template=self.chat_template)

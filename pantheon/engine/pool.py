@@ -141,6 +141,13 @@ class ModelPool:
     def names(self) -> list[str]:
         return list(dict.fromkeys(e.config.name for e in self.ready()))
 
+    def served_name(self, name: str | None) -> str | None:
+        """The served name `name` is, or is an alias of, among the ready models; else None."""
+        for e in self.ready():
+            if name == e.config.name or name in e.config.aliases:
+                return e.config.name
+        return None
+
     def replicas(self, name: str) -> list[Engine]:
         return [e.engine for e in self.ready() if e.config.name == name]
 
@@ -162,16 +169,15 @@ class ModelPool:
             raise PoolError(503, "no_models_loaded", msg)
         if len(names) == 1:
             return self.pick(self.replicas(names[0]), session_id)
-        if model in names:
-            return self.pick(self.replicas(model), session_id)
+        if (served := self.served_name(model)) is not None:
+            return self.pick(self.replicas(served), session_id)
         raise PoolError(404, "model_not_found", f"model {model!r} not found; loaded: {', '.join(names)}")
 
     def find(self, name: str | None, session_id: str | None = None) -> Engine | None:
         """Session routes: `name` selects the model; absent -> the default (first loaded) model."""
         names = self.names()
-        if not names or (name is not None and name not in names):
-            return None
-        return self.pick(self.replicas(name if name is not None else names[0]), session_id)
+        served = names[0] if names and name is None else self.served_name(name)
+        return None if served is None else self.pick(self.replicas(served), session_id)
 
     # ---- load / unload ------------------------------------------------------------------------------
     def load(self, config: ModelConfig) -> ModelEntry:

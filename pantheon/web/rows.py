@@ -33,6 +33,8 @@ def public_row(entry: ModelEntry) -> dict:
            "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "context_window": e.effective_ctx, "tool_choice_required_with_thinking": tool_choice_required_with_thinking(e),
            "status": e.status}
+    if c.aliases:
+        row["aliases"] = [c.name, *c.aliases]  # llama-server's list: every name, the id's too
     for key, value in (("graphs", graphs_object(e, False)), ("attention", attention_object(e, False))):
         if value is not None:
             row[key] = value
@@ -50,6 +52,8 @@ def operator_row(entry: ModelEntry) -> dict:
            "context_window": e.effective_ctx, "context_window_configured": e.ctx_configured,
            # max_sessions bounds the ids on the device; idle ones beyond it wait on the host tier
            "sessions": e.table.tiers(), "status": e.status}
+    if c.aliases:
+        row["aliases"] = [c.name, *c.aliases]
     for key, value in (("graphs", graphs_object(e, True)), ("attention", attention_object(e, True))):
         if value is not None:
             row[key] = value

@@ -233,3 +233,32 @@ def test_cors_origins_restrict_the_allowed_origin_on_every_answer(tmp_path_facto
             assert h.get("vary") == ("Origin" if expected else None)
     finally:
         server.close()
+
+
+def test_llama_servers_comma_separated_aliases(tmp_path):
+    """`-a tinyllama-2,fim,code` (llama-server's aliases): the id is the first name in sorted order
+    (its std::set's), the model list names them all, and each routes to the model when several are
+    loaded; the session routes take them too."""
+    from pantheon.config import ServeConfig
+    from tests.fixtures.tiny_models import write_tiny_llama
+    from tests.web.inprocess import InProcessApp
+
+    config = ServeConfig().model_config("/m/a.gguf", " tinyllama-2, fim,code ,fim")
+    assert (config.name, config.aliases) == ("code", ("fim", "tinyllama-2"))
+    assert ServeConfig().model_config("/m/a.gguf", None).aliases == ()
+    a, b = write_tiny_llama(tmp_path / "a.gguf"), write_tiny_llama(tmp_path / "b.gguf", seed=9)
+    app = InProcessApp([(str(a), "tinyllama-2,fim,code"), (str(b), "other")])
+    try:
+        rows = {r["id"]: r for r in app.get("/v1/models")[1]["data"]}
+        assert set(rows) == {"code", "other"} and rows["code"]["aliases"] == ["code", "fim", "tinyllama-2"]
+        assert "aliases" not in rows["other"]
+        for name, served in (("fim", "code"), ("tinyllama-2", "code"), ("code", "code"), ("other", "other")):
+            status, body, _ = app.post("/v1/chat/completions", {"model": name, "max_tokens": 1,
+                                                                "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 200 and body["model"] == served
+        assert app.post("/v1/chat/completions", {"model": "nope", "max_tokens": 1,
+                                                 "messages": [{"role": "user", "content": "hi"}]})[0] == 404
+        assert app.state.pool.find("fim") is app.state.pool.find("code") is not app.state.pool.find("other")
+        assert app.state.pool.find("nope") is None and app.state.pool.find(None) is not None
+    finally:
+        app.close()
