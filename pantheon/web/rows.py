@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pantheon.engine.chat import tool_choice_required_with_thinking
 from pantheon.engine.pool import ModelEntry
 
@@ -27,12 +29,26 @@ def attention_object(engine, operator: bool) -> dict | None:
     return attention.counters(operator) if attention.reached() else None
 
 
+# llama.cpp's llama_vocab_type by the file's tokenizer.ggml.model
+VOCAB_TYPES = {"llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5, "plamo2": 6}
+
+
+def model_meta(engine) -> dict:
+    """llama-server's `meta` of a /v1/models row (what its web UI and some clients read the
+    training context from): the vocabulary's type and size, n_ctx_train, n_embd, the parameters
+    and the tensors' bytes as the file holds them."""
+    tensors = engine.gguf.tensors.values()
+    return {"vocab_type": VOCAB_TYPES.get(engine.gguf.metadata.get("tokenizer.ggml.model"), 0),
+            "n_vocab": engine.spec.n_vocab, "n_ctx_train": engine.spec.ctx_train, "n_embd": engine.spec.n_embd,
+            "n_params": sum(math.prod(t.shape) for t in tensors), "size": sum(t.nbytes for t in tensors)}
+
+
 def public_row(entry: ModelEntry) -> dict:
     e, c = entry.engine, entry.config
     row = {"id": c.name, "object": "model", "created": 0, "owned_by": "pantheon",
            "max_sessions": e.max_sessions, "max_concurrent": e.max_concurrent,
            "context_window": e.effective_ctx, "tool_choice_required_with_thinking": tool_choice_required_with_thinking(e),
-           "status": e.status}
+           "status": e.status, "meta": model_meta(e)}
     if c.aliases:
         row["aliases"] = [c.name, *c.aliases]  # llama-server's list: every name, the id's too
     for key, value in (("graphs", graphs_object(e, False)), ("attention", attention_object(e, False))):

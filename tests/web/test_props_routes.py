@@ -342,3 +342,17 @@ def test_a_template_that_takes_a_system_turn_only_first_gets_the_later_ones_fold
         assert status == 400 and "a user opens" in err["error"]["message"]
     finally:
         app.close()
+
+
+def test_the_model_rows_carry_llama_servers_meta(app):
+    """`meta` as llama-server's /v1/models has it (its web UI reads n_ctx_train from it)."""
+    import math
+
+    engine = app.engine()
+    row = app.get("/v1/models")[1]["data"][0]
+    tensors = engine.gguf.tensors.values()
+    assert row["meta"] == {"vocab_type": 2 if engine.gguf.metadata["tokenizer.ggml.model"] == "gpt2" else 1,
+                           "n_vocab": engine.spec.n_vocab, "n_ctx_train": engine.spec.ctx_train,
+                           "n_embd": engine.spec.n_embd, "n_params": sum(math.prod(t.shape) for t in tensors),
+                           "size": sum(t.nbytes for t in tensors)}
+    assert row["meta"]["n_params"] > 0 and row["meta"]["size"] > 0
