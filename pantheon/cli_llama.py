@@ -37,10 +37,9 @@ LLAMA_SERVER_IGNORED = (
     (("--pooling",), "embeddings are pooled as the model file says"),
     (("-to", "--timeout"), "the HTTP server keeps hypercorn's timeouts"),
     (("--threads-http",), "requests are served by one asyncio loop"),
-    (("--tags",), "the model list carries no tags"),
 )
 LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub", "--cache-reuse", "-ctxcp", "--pooling", "-to",
-                       "--threads-http", "--tags")
+                       "--threads-http")
 # llama-server's downloads: refused with one line (there is no model hub here)
 LLAMA_SERVER_DOWNLOADS = (("-hf", "--hf-repo"), ("-hff", "--hf-file"), ("-mu", "--model-url"))
 
@@ -99,6 +98,8 @@ def add_llama_server_flags(s) -> None:
     llama.add_argument("--cors-origins", default=None, metavar="ORIGINS",
                        help="browser origins allowed by CORS: *, localhost (loopback origins only, llama-server's "
                             "special value) or a comma-separated list (default: $PANTHEON_CORS_ORIGINS, else *)")
+    llama.add_argument("--tags", default=None, metavar="A,B",
+                       help="comma-separated tags listed in each model's /v1/models row (default: none)")
     llama.add_argument("--no-warmup", action="store_true",
                        help="compile each program on first use instead of at load (default: compiled at load)")
     llama.add_argument("--no-slots", dest="slots_endpoint", action="store_false",

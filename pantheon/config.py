@@ -83,6 +83,7 @@ class ModelConfig:
     kv_dtype: str = "auto"  # model/dtypes.kv_cache_dtype: f16 on the CPU, bf16 on a GPU
     chat_template: str | None = None  # --chat-template: a builtin's name or Jinja source; None: the file's
     aliases: tuple[str, ...] = ()  # more names the model answers to (llama-server's -a a,b,c)
+    tags: tuple[str, ...] = ()  # llama-server's --tags: listed in the model's row, nothing else
 
     @property
     def max_concurrent_configured(self) -> int:
@@ -142,6 +143,7 @@ class ServeConfig:
     advertise: str | None = None  # this instance's URL as the router should reach it (default http://host:port)
     slots_endpoint: bool = True  # GET /slots served (llama-server's --no-slots: 501)
     cors_origins: str = "*"  # "*": any (the contract's); "localhost": local origins; else a comma-separated list
+    tags: tuple[str, ...] = ()  # every served model's tags (llama-server's --tags)
 
     @classmethod
     def from_env(cls) -> ServeConfig:
@@ -165,7 +167,8 @@ class ServeConfig:
         # std::set's), the others answer too
         names = sorted({n.strip() for n in (name or "").split(",") if n.strip()})
         served = names[0] if names else Path(path).name.removesuffix(".gguf")
-        return ModelConfig(path=path, name=served, aliases=tuple(names[1:]), ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
+        return ModelConfig(path=path, name=served, aliases=tuple(names[1:]), tags=self.tags,
+                           ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
                            reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics,
                            kv_dtype=self.kv_dtype, chat_template=self.chat_template)

@@ -235,7 +235,8 @@ def test_llama_servers_other_serve_flags(capsys, monkeypatch):
     assert config_module.Settings.from_env().warm_up
     args, config = read("--no-warmup", "--no-slots", "-v")
     assert not config_module.Settings.from_env().warm_up and not config.slots_endpoint and args.trace_requests
-    assert read()[1].slots_endpoint
+    assert read()[1].slots_endpoint and read()[1].tags == ()
+    assert read("--tags", "small, chat,small")[1].tags == ("chat", "small")
     capsys.readouterr()
     _, config = read("--offline", "--embeddings", "--no-context-shift", "-kvu", "--cache-reuse", "256", "-ctxcp", "8",
                      "--reasoning-format", "none", "--no-ui")

@@ -51,6 +51,8 @@ def public_row(entry: ModelEntry) -> dict:
            "status": e.status, "meta": model_meta(e)}
     if c.aliases:
         row["aliases"] = [c.name, *c.aliases]  # llama-server's list: every name, the id's too
+    if c.tags:
+        row["tags"] = list(c.tags)
     for key, value in (("graphs", graphs_object(e, False)), ("attention", attention_object(e, False))):
         if value is not None:
             row[key] = value

@@ -132,7 +132,8 @@ def config_from_args(args) -> ServeConfig:
                        router=getattr(args, "router", None) or env.router,
                        advertise=getattr(args, "advertise", None) or env.advertise,
                        slots_endpoint=getattr(args, "slots_endpoint", True),
-                       cors_origins=getattr(args, "cors_origins", None) or env.cors_origins)
+                       cors_origins=getattr(args, "cors_origins", None) or env.cors_origins,
+                       tags=tuple(sorted({t.strip() for t in (getattr(args, "tags", None) or "").split(",") if t.strip()})))
 
 
 def exposure_warning(config: ServeConfig) -> str | None:

@@ -247,11 +247,11 @@ def test_llama_servers_comma_separated_aliases(tmp_path):
     assert (config.name, config.aliases) == ("code", ("fim", "tinyllama-2"))
     assert ServeConfig().model_config("/m/a.gguf", None).aliases == ()
     a, b = write_tiny_llama(tmp_path / "a.gguf"), write_tiny_llama(tmp_path / "b.gguf", seed=9)
-    app = InProcessApp([(str(a), "tinyllama-2,fim,code"), (str(b), "other")])
+    app = InProcessApp([(str(a), "tinyllama-2,fim,code"), (str(b), "other")], tags=("chat", "small"))
     try:
         rows = {r["id"]: r for r in app.get("/v1/models")[1]["data"]}
         assert set(rows) == {"code", "other"} and rows["code"]["aliases"] == ["code", "fim", "tinyllama-2"]
-        assert "aliases" not in rows["other"]
+        assert "aliases" not in rows["other"] and rows["other"]["tags"] == rows["code"]["tags"] == ["chat", "small"]
         for name, served in (("fim", "code"), ("tinyllama-2", "code"), ("code", "code"), ("other", "other")):
             status, body, _ = app.post("/v1/chat/completions", {"model": name, "max_tokens": 1,
                                                                 "messages": [{"role": "user", "content": "hi"}]})
