@@ -397,28 +397,38 @@ def _last_turn_start(engine, chat, prompt: _Prompt) -> int | None:
     last = max((i for i, m in enumerate(chat.messages) if m.get("role") == "user"), default=0)
     if last == 0:
         return None
+    return _token_boundary(engine.tokenizer, prompt, _turn_heads(engine, chat, prompt, last))
+
+
+def _turn_heads(engine, chat, prompt: _Prompt, last: int):
+    """The prompt text before the last user turn, as candidates in order: the conversation before
+    it rendered alone (when that is a prefix of the prompt), then the text before the turn's own."""
     try:
         head = render_prompt(engine, replace(chat, messages=chat.messages[:last]), add_generation_prompt=False)[0]
     except PlanError:
         head = None
-    k = _token_boundary(engine.tokenizer, prompt, head) if head and prompt.text.startswith(head) else None
-    if k is None:
-        content = chat.messages[last].get("content")
-        at = prompt.text.rfind(content) if isinstance(content, str) and content else -1
-        k = _token_boundary(engine.tokenizer, prompt, prompt.text[:at]) if at > 0 else None
-    return k
+    if head and prompt.text.startswith(head):
+        yield head
+    content = chat.messages[last].get("content")
+    at = prompt.text.rfind(content) if isinstance(content, str) and content else -1
+    if at > 0:
+        yield prompt.text[:at]
 
 
-def _token_boundary(tok, prompt: _Prompt, head: str) -> int | None:
-    """How many of the prompt's tokens spell `head`, a prefix of its text (at least MARK_MIN_TOKENS,
-    not all of them); None where no token ends there. Found from the tokens' byte lengths (no second
-    tokenizing of ~20k tokens: 220 ms measured), checked by decoding the tokens back to the head."""
+def _token_boundary(tok, prompt: _Prompt, heads) -> int | None:
+    """How many of the prompt's tokens spell the first of `heads` (prefixes of its text) that a token
+    ends on (at least MARK_MIN_TOKENS, not all of them); None where none does. Found from the tokens'
+    byte lengths, summed once (no second tokenizing of ~20k tokens: 220 ms measured), checked by
+    decoding the tokens back to the head."""
     from pantheon.engine import sessions
 
-    ids = prompt.ids
-    ends = np.cumsum([len(tok.token_bytes(t)) for t in ids])
-    lead = int(ends[-1]) - len(prompt.text.encode("utf-8"))  # a space the tokenizer put before the text
-    end = len(head.encode("utf-8")) + lead
-    k = int(np.searchsorted(ends, end)) + 1
-    return k if sessions.MARK_MIN_TOKENS <= k < len(ids) and ends[k - 1] == end and tok.decode(ids[:k]) == head \
-        else None
+    ids, ends = prompt.ids, None
+    for head in heads:
+        if ends is None:
+            ends = np.cumsum([len(tok.token_bytes(t)) for t in ids])
+            lead = int(ends[-1]) - len(prompt.text.encode("utf-8"))  # a space the tokenizer put before the text
+        end = len(head.encode("utf-8")) + lead
+        k = int(np.searchsorted(ends, end)) + 1
+        if sessions.MARK_MIN_TOKENS <= k < len(ids) and ends[k - 1] == end and tok.decode(ids[:k]) == head:
+            return k
+    return None
