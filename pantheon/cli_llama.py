@@ -44,6 +44,10 @@ LLAMA_SERVER_VALUED = ("-t", "-tb", "-ngl", "-fa", "-b", "-ub", "--cache-reuse",
 LLAMA_SERVER_DOWNLOADS = (("-hf", "--hf-repo"), ("-hff", "--hf-file"), ("-mu", "--model-url"))
 
 
+def _download(flags) -> str:
+    return "download_" + flags[-1].lstrip("-").replace("-", "_")
+
+
 def _ignored(flags) -> str:
     return "ignored_" + flags[-1].lstrip("-").replace("-", "_")
 
@@ -107,7 +111,7 @@ def add_llama_server_flags(s) -> None:
     llama.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
                        help="log at DEBUG, each request's timing breakdown included (default: INFO)")
     for flags in LLAMA_SERVER_DOWNLOADS:
-        llama.add_argument(*flags, dest="download_" + flags[-1].lstrip("-").replace("-", "_"), metavar="X",
+        llama.add_argument(*flags, dest=_download(flags), metavar="X",
                            help="refused: there is no model hub here; give the GGUF file with -m (default: none)")
     for flags, why in LLAMA_SERVER_IGNORED:
         valued = flags[0] in LLAMA_SERVER_VALUED
@@ -120,7 +124,7 @@ def apply_llama_server_flags(sp, args) -> None:
     """llama-server's `serve` flags as Pantheon's: -c over -np slots, -np, -ctk/-ctv, --cache-ram,
     --no-warmup; a download refused; a notice for the ones without effect."""
     for flags in LLAMA_SERVER_DOWNLOADS:
-        if getattr(args, "download_" + flags[-1].lstrip("-").replace("-", "_")) is not None:
+        if getattr(args, _download(flags)) is not None:
             sp.error(f"{flags[-1]}: there is no model hub here: download the GGUF file yourself and give it with -m")
     if args.cache_ram is not None:
         config.set_session_host_bytes(config.physical_memory() if args.cache_ram < 0 else args.cache_ram << 20)

@@ -165,13 +165,18 @@ class ServeConfig:
     def model_config(self, path: str, name: str | None) -> ModelConfig:
         # comma-separated names are llama-server's aliases: the first in sorted order is the id (its
         # std::set's), the others answer too
-        names = sorted({n.strip() for n in (name or "").split(",") if n.strip()})
+        names = comma_set(name)
         served = names[0] if names else Path(path).name.removesuffix(".gguf")
         return ModelConfig(path=path, name=served, aliases=tuple(names[1:]), tags=self.tags,
                            ctx_cap=self.ctx_cap or DEFAULT_CTX_CAP,
                            max_sessions=self.max_sessions or 4, max_concurrent=self.max_concurrent or 0,
                            reasoning_budget=self.reasoning_budget or 0, dies=self.dies, numerics=self.numerics,
                            kv_dtype=self.kv_dtype, chat_template=self.chat_template)
+
+
+def comma_set(text: str | None) -> tuple[str, ...]:
+    """llama-server's comma-separated names (-a, --tags) as its std::set holds them: distinct, sorted."""
+    return tuple(sorted({n.strip() for n in (text or "").split(",") if n.strip()}))
 
 
 _session_key: bytes | None = None

@@ -246,6 +246,9 @@ class ChatTemplate:
                **kwargs) -> str:
         return self._render(self._context(messages, add_generation_prompt, tools, kwargs))
 
+    # what _context sets itself, over any kwargs: a request cannot give these as template arguments
+    OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
     def _context(self, messages, add_generation_prompt, tools, kwargs) -> dict[str, Any]:
         now = datetime.now()
         ctx: dict[str, Any] = {"documents": None, "date_string": now.strftime("%d %b %Y"),

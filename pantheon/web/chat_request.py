@@ -12,6 +12,7 @@ from quart import current_app, has_app_context
 
 from pantheon.config import SamplingDefaults
 from pantheon.engine.sampler import MAX_TEMPERATURE, REPETITION_RANGE
+from pantheon.text.chat_template import ChatTemplate
 from pantheon.web.errors import invalid
 
 MAX_TOKENS_DEFAULT, MAX_TOKENS_NONPOSITIVE, MAX_TOKENS_CAP = 1024, 512, 1048576
@@ -291,8 +292,6 @@ def _with_defaults(body: dict, ops: SamplingDefaults) -> dict:
 
 # llama-server's reasoning formats served: auto and deepseek split thoughts into reasoning_content
 REASONING_FORMATS = ("auto", "deepseek", "none")
-# What the template context sets itself (text.chat_template.ChatTemplate._context): not a request's.
-TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def _template_kwargs(value, server: dict) -> dict:
@@ -303,7 +302,7 @@ def _template_kwargs(value, server: dict) -> dict:
     if not isinstance(value, dict):
         raise invalid("'chat_template_kwargs' must be an object of the chat template's arguments")
     for key in value:
-        if key in TEMPLATE_OWN:
+        if key in ChatTemplate.OWN_VARIABLES:
             raise invalid(f"'chat_template_kwargs.{key}' is set by the server: give it in its own field")
     thinking = value.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from pantheon.config import SamplingDefaults, ServeConfig
+from pantheon.config import SamplingDefaults, ServeConfig, comma_set
 
 log = logging.getLogger("pantheon.web")
 
@@ -133,7 +133,7 @@ def config_from_args(args) -> ServeConfig:
                        advertise=getattr(args, "advertise", None) or env.advertise,
                        slots_endpoint=getattr(args, "slots_endpoint", True),
                        cors_origins=getattr(args, "cors_origins", None) or env.cors_origins,
-                       tags=tuple(sorted({t.strip() for t in (getattr(args, "tags", None) or "").split(",") if t.strip()})))
+                       tags=comma_set(getattr(args, "tags", None)))
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
